@@ -1,0 +1,30 @@
+# batchrl — the two commands that work on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -e '.[cpu,dev]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/batchrl run pipelines/quickstart.yaml
+
+test: install
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow" tests
+
+bench: install
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf runs .cache

@@ -1,0 +1,87 @@
+"""Stage manifests: ``_MANIFEST.json`` written LAST in a stage's output directory.
+
+Its existence means the stage completed; readers trust only the parts it lists. It records the stage,
+its fingerprint (hash of the stage's config and its upstream fingerprints), every part with row count
+and sha256, the output schema, timings, counters (rejects, failures) and the code version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+
+from batchrl import __version__
+from batchrl.storage import join, resolve, write_bytes_atomic
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "_MANIFEST.json"
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    name: str
+    rows: int
+    sha256: str
+    num_bytes: int
+
+
+@dataclass
+class Manifest:
+    stage: str
+    table: str
+    iteration: int | None
+    fingerprint: str
+    parts: list[PartInfo]
+    schema: str
+    started_at: float
+    finished_at: float
+    counts: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+    extra_parts: dict[str, list[PartInfo]] = field(default_factory=dict)  # e.g. {"rejects": [...]}
+    code_version: str = __version__
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        raw = json.loads(text)
+        raw["parts"] = [PartInfo(**p) for p in raw["parts"]]
+        raw["extra_parts"] = {k: [PartInfo(**p) for p in v] for k, v in raw.get("extra_parts", {}).items()}
+        return cls(**raw)
+
+
+def manifest_uri(table_dir: str) -> str:
+    return join(table_dir, MANIFEST_NAME)
+
+
+def read_manifest(table_dir: str) -> Manifest | None:
+    """The committed manifest of ``table_dir``, or None when the stage has not completed there."""
+    fs, path = resolve(manifest_uri(table_dir))
+    try:
+        with fs.open(path, "rb") as f:
+            text = f.read().decode()
+    except FileNotFoundError:
+        return None
+    try:
+        return Manifest.from_json(text)
+    except (ValueError, TypeError, KeyError) as err:
+        logger.warning("ignoring unreadable manifest %s (%s); the stage will be redone", path, err)
+        return None
+
+
+def write_manifest(table_dir: str, manifest: Manifest) -> None:
+    write_bytes_atomic(manifest_uri(table_dir), manifest.to_json().encode())
+
+
+def fingerprint(stage_config: object, *upstream: str) -> str:
+    """sha256 of the stage's config (JSON, sorted keys) and its upstream fingerprints, shortened."""
+    payload = json.dumps({"config": stage_config, "upstream": list(upstream)}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]

@@ -1,0 +1,70 @@
+"""The stage contract and the one stage registry.
+
+A stage reads its predecessors' committed tables (through their manifests), writes its own table as
+deterministically named parts, and returns what the runner needs to write its manifest. Algorithms stay
+out of stages: a stage is glue between storage and a pure function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from batchrl.config import PipelineConfig
+from batchrl.pipeline.manifest import Manifest, PartInfo
+from batchrl.storage import RunLayout
+
+
+class DataError(RuntimeError):
+    """The input data cannot be processed as configured (missing column, unreadable file); exit code 3."""
+
+
+@dataclass(frozen=True)
+class StageContext:
+    cfg: PipelineConfig
+    layout: RunLayout
+    iteration: int | None
+    output_dir: str
+    fingerprint: str
+    inputs: dict[str, Manifest]  # committed upstream manifests by table name ("prompts", "rollouts", ...)
+    input_dirs: dict[str, str]
+    policy_in: str  # policy this iteration starts from: model.path or the previous iteration's policy dir
+
+
+@dataclass
+class StageOutput:
+    parts: list[PartInfo]
+    counts: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+    extra_parts: dict[str, list[PartInfo]] = field(default_factory=dict)
+
+
+class Stage(Protocol):
+    name: ClassVar[str]  # stage name, as in `--from-stage` and the plan
+    table: ClassVar[str]  # output directory name under the run / iteration directory
+    schema: ClassVar[str | None]  # data_schemas/<schema>.json of the output table (None: not a table)
+    inputs: ClassVar[tuple[str, ...]]  # upstream tables; "policy" = the iteration's input policy
+    per_iteration: ClassVar[bool]
+
+    def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
+        """The config that determines this stage's output (changing it invalidates the stage)."""
+        ...
+
+    def run(self, ctx: StageContext) -> StageOutput: ...
+
+
+STAGES: dict[str, type] = {}
+
+
+def register(cls: type) -> type:
+    if cls.name in STAGES:
+        raise AssertionError(f"stage {cls.name!r} registered twice")
+    STAGES[cls.name] = cls
+    return cls
+
+
+def stage_order() -> list[str]:
+    """Stage names in pipeline order: ingest once, then the per-iteration loop."""
+    import batchrl.stages  # noqa: F401  (registers the built-in stages)
+
+    return list(STAGES)

@@ -1,0 +1,109 @@
+"""Rule rewards: plain functions ``fn(response, ground_truth, **row) -> float | None``, chosen by data_source.
+
+Why plain functions: a reward is the part users most often replace, and a function they can unit-test on a
+string is the smallest thing to write (the same shape as TRL's reward functions). `row` carries the prompt row's
+other fields (data_source, prompt_id, extra_info, ...); a function takes what it needs and ignores the rest.
+Returning None means "cannot score this sample" (e.g. no ground truth); the score stage records it as a failure.
+
+Which reward scores a row: `score.reward_by_data_source` in the config first, then DATA_SOURCE_DEFAULTS.
+A reward is named either by its key in REWARDS or as ``"package.module:function"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from batchrl.rewards.basic import exact_match, format_hash
+from batchrl.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., "float | None"]  # fn(response: str, ground_truth: str | None, **row) -> float | None
+
+REWARDS: dict[str, RewardFn] = {
+    "gsm8k": gsm8k_strict,
+    "gsm8k_flexible": gsm8k_flexible,
+    "exact_match": exact_match,
+    "format_hash": format_hash,
+}
+
+DATA_SOURCE_DEFAULTS: dict[str, str] = {
+    "openai/gsm8k": "gsm8k",  # verl's data_source name for GSM8K
+    "gsm8k": "gsm8k",
+    "arith": "gsm8k",  # our synthetic arithmetic set answers with "#### N"
+}
+
+__all__ = ["DATA_SOURCE_DEFAULTS", "REWARDS", "RewardFn", "resolve_reward", "reward_name_for"]
+
+
+def resolve_reward(name_or_ref: str) -> RewardFn:
+    """The reward function named by a REWARDS key or a ``"package.module:function"`` reference.
+
+    A reference is imported here, once, so that a typo fails when the job starts, not on every sample.
+    """
+    if name_or_ref in REWARDS:
+        return REWARDS[name_or_ref]
+    if ":" not in name_or_ref:
+        raise ValueError(
+            f"unknown reward {name_or_ref!r}; known rewards: {', '.join(sorted(REWARDS))}. "
+            "For your own function write 'package.module:function' (importable from the job's Python path), "
+            "e.g. 'my_rewards.math:boxed_answer'."
+        )
+    reward_fn = _import_reference(name_or_ref)
+    _check_reward_signature(reward_fn, name_or_ref=name_or_ref)
+    return reward_fn
+
+
+def reward_name_for(data_source: str, *, overrides: Mapping[str, str] | None = None) -> str:
+    """The reward name or reference for rows of `data_source`: `overrides` first, then DATA_SOURCE_DEFAULTS."""
+    for table in (overrides or {}, DATA_SOURCE_DEFAULTS):
+        if data_source in table:
+            return table[data_source]
+    raise ValueError(
+        f"no reward for data_source {data_source!r}; add `score.reward_by_data_source: "
+        f"{{{data_source}: <reward>}}` to the config, where <reward> is one of {', '.join(sorted(REWARDS))} "
+        "or 'package.module:function'"
+    )
+
+
+def _import_reference(reference: str) -> Any:
+    """The object at ``"package.module:attribute[.attribute]"``; ValueError naming the reference otherwise."""
+    module_name, _, attribute_path = reference.partition(":")
+    if not module_name or not attribute_path:
+        raise ValueError(f"reward reference {reference!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or anything the module raises while importing
+        raise ValueError(f"cannot import module {module_name!r} of reward reference {reference!r}: {error}") from error
+    try:
+        return functools.reduce(getattr, attribute_path.split("."), module)
+    except AttributeError as error:
+        raise ValueError(
+            f"reward reference {reference!r}: module {module_name!r} has no attribute {attribute_path!r}"
+        ) from error
+
+
+def _check_reward_signature(candidate: Any, *, name_or_ref: str) -> None:
+    """Fail at startup if `candidate` cannot be called as fn(response, ground_truth, **row)."""
+    if not callable(candidate):
+        raise ValueError(f"reward reference {name_or_ref!r} names a {type(candidate).__name__}, not a function")
+    try:
+        signature = inspect.signature(candidate)
+    except (TypeError, ValueError):
+        return  # some builtins have no introspectable signature; let the call decide
+    accepts_row = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    try:
+        signature.bind("response", None)
+        accepts_response_and_ground_truth = True
+    except TypeError:
+        accepts_response_and_ground_truth = False
+    if not (accepts_row and accepts_response_and_ground_truth):
+        raise ValueError(
+            f"reward {name_or_ref!r} has signature {signature}; a reward must accept "
+            "(response, ground_truth, **row) and may ignore the row fields it does not need"
+        )

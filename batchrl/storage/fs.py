@@ -1,0 +1,167 @@
+"""fsspec/pyarrow helpers: resolution, atomic writes, Parquet I/O.
+
+Atomicity: on a local filesystem a file is written under a temporary sibling name and renamed into place,
+so a crash never leaves a torn file under the final name. On object stores a PUT is already atomic
+(the object appears whole or not at all), so the file is written directly. Readers still trust only the
+parts a stage manifest lists; the manifest is written last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import uuid
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+
+class StorageError(RuntimeError):
+    """A data location cannot be read or written (missing file, bad URI, unreachable store)."""
+
+
+def resolve(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **_storage_options(uri))
+    except (ImportError, ValueError) as err:
+        raise StorageError(f"cannot open {uri!r}: {err}") from None
+    return fs, path
+
+
+def _storage_options(uri: str) -> dict:
+    if uri.startswith(("s3://", "s3a://")):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        options: dict = {"skip_instance_cache": False}
+        if endpoint:
+            options["client_kwargs"] = {"endpoint_url": endpoint}
+        return options
+    return {}
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
+def join(uri: str, *parts: str) -> str:
+    out = uri.rstrip("/")
+    for part in parts:
+        out = f"{out}/{part.strip('/')}"
+    return out
+
+
+def protocol_prefix(uri: str) -> str:
+    return uri.split("://", 1)[0] + "://" if "://" in uri and not uri.startswith("file://") else ""
+
+
+def write_bytes_atomic(uri: str, data: bytes) -> None:
+    fs, path = resolve(uri)
+    parent = path.rsplit("/", 1)[0]
+    if is_local(uri):
+        fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[-1]}"
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def write_parquet_atomic(table: pa.Table, uri: str) -> tuple[int, str]:
+    """Writes ``table`` to ``uri`` atomically; returns (num_bytes, sha256 hex) of the file written."""
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    data = buffer.getvalue()
+    write_bytes_atomic(uri, data)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def read_parquet(uri: str, *, columns: list[str] | None = None) -> pa.Table:
+    fs, path = resolve(uri)
+    try:
+        with fs.open(path, "rb") as f:
+            return pq.read_table(f, columns=columns)
+    except FileNotFoundError:
+        raise StorageError(f"file not found: {uri}") from None
+    except pa.ArrowInvalid as err:
+        raise StorageError(f"{uri} is not a readable Parquet file: {err}") from None
+
+
+def sha256_of(uri: str) -> str:
+    fs, path = resolve(uri)
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def expand_parquet_files(patterns: list[str]) -> list[str]:
+    """Files, directories (their *.parquet, recursively) and globs -> a sorted, de-duplicated list of URIs."""
+    out: list[str] = []
+    for pattern in patterns:
+        fs, path = resolve(pattern)
+        prefix = protocol_prefix(pattern)
+        if any(ch in path for ch in "*?["):
+            matches = [p for p in fs.glob(path) if fs.isfile(p)]
+        elif fs.isdir(path):
+            matches = [p for p in fs.find(path) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith((".", "_"))]
+        elif fs.isfile(path):
+            matches = [path]
+        else:
+            raise StorageError(f"data.train_files: {pattern!r} does not exist (no file, directory or glob match)")
+        if not matches:
+            raise StorageError(f"data.train_files: {pattern!r} matched no .parquet files")
+        out.extend(prefix + m for m in sorted(matches))
+    return list(dict.fromkeys(out))
+
+
+def local_copy(uri: str) -> str:
+    """A local path for a model directory: local paths and hub ids pass through; an object-store directory
+    is downloaded once into the cache ($BATCHRL_CACHE, default ~/.cache/batchrl) and reused."""
+    if is_local(uri):
+        return uri.removeprefix("file://")
+    from pathlib import Path
+
+    cache_root = Path(os.environ.get("BATCHRL_CACHE", "~/.cache/batchrl")).expanduser() / "models"
+    target = cache_root / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    if (target / ".complete").exists():
+        return str(target)
+    fs, path = resolve(uri)
+    tmp = cache_root / f".tmp-{uuid.uuid4().hex}"
+    for remote in fs.find(path):
+        relative = remote[len(path.rstrip("/")) + 1:]
+        if relative.startswith("_"):
+            continue  # manifests and markers are not part of the checkpoint
+        (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(tmp / relative))
+    (tmp / ".complete").write_text(uri)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def upload_file(local_path: str, uri: str) -> None:
+    """Copies one local file to ``uri``, streaming; atomic as write_bytes_atomic (rename / single PUT)."""
+    fs, path = resolve(uri)
+    if is_local(uri):
+        import shutil
+
+        parent = path.rsplit("/", 1)[0]
+        fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
+        shutil.copyfile(local_path, tmp)
+        os.replace(tmp, path)
+    else:
+        fs.put_file(local_path, path)

@@ -1,0 +1,101 @@
+"""ingest: both input layouts, chat template, deterministic shards, and counted rejects."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchrl.config import validate_dict
+from batchrl.pipeline.stage import DataError, StageContext
+from batchrl.stages.ingest import IngestStage
+from batchrl.storage import RunLayout, read_parquet
+from batchrl.toy import build_toy_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    build_toy_tokenizer(path)
+    return str(path)
+
+
+def make_ctx(tmp_path, tokenizer_dir, files, **data):
+    cfg = validate_dict({"name": "t", "model": {"path": tokenizer_dir},
+                         "data": {"train_files": [str(f) for f in files], **data}})
+    layout = RunLayout.for_run(str(tmp_path / "runs"), "t")
+    return StageContext(cfg=cfg, layout=layout, iteration=None, output_dir=layout.table_dir("prompts", None),
+                        fingerprint="x", inputs={}, input_dirs={}, policy_in=tokenizer_dir)
+
+
+def write_ours(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_batchrl_layout_is_tokenized_with_the_chat_template_and_sharded_in_order(tmp_path, tokenizer_dir):
+    rows = [{"prompt_id": f"p{i}", "data_source": "arith", "prompt": f"What is {i} + 1?", "ground_truth": str(i + 1)}
+            for i in range(5)]
+    ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "a.parquet", rows)], shard_size=2)
+    out = IngestStage().run(ctx)
+    assert [p.name for p in out.parts] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert [p.rows for p in out.parts] == [2, 2, 1]
+    table = read_parquet(f"{ctx.output_dir}/part-00000.parquet")
+    first = table.to_pylist()[0]
+    assert first["prompt_id"] == "p0"
+    assert first["prompt_text"].startswith("<|im_start|>user\n") and first["prompt_text"].endswith("<|im_start|>assistant\n")
+    assert json.loads(first["messages_json"]) == [{"role": "user", "content": "What is 0 + 1?"}]
+    assert len(first["prompt_token_ids"]) > 5
+    assert out.counts["prompts"] == 5 and out.counts["rejected"] == 0
+
+
+def test_verl_layout_takes_ground_truth_from_reward_model_and_keeps_extra_info(tmp_path, tokenizer_dir):
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": "4"},
+             "extra_info": {"split": "train", "index": 7}}]
+    ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "verl.parquet", rows)])
+    IngestStage().run(ctx)
+    row = read_parquet(f"{ctx.output_dir}/part-00000.parquet").to_pylist()[0]
+    assert row["ground_truth"] == "4"
+    assert row["data_source"] == "openai/gsm8k"
+    assert row["prompt_id"] == "verl-0"
+    assert json.loads(row["extra_info_json"]) == {"split": "train", "index": 7}
+
+
+def test_malformed_rows_are_counted_into_the_rejects_table_with_reasons(tmp_path, tokenizer_dir):
+    rows = [
+        {"prompt_id": "ok", "data_source": "arith", "prompt": "What is 1 + 1?", "ground_truth": "2"},
+        {"prompt_id": "null", "data_source": "arith", "prompt": None, "ground_truth": "2"},
+        {"prompt_id": "blank", "data_source": "arith", "prompt": "   ", "ground_truth": "2"},
+        {"prompt_id": "nogt", "data_source": "arith", "prompt": "What is 1 + 2?", "ground_truth": None},
+        {"prompt_id": "long", "data_source": "arith", "prompt": "What is 1 + 1? " * 40, "ground_truth": "2"},
+        {"prompt_id": "ok", "data_source": "arith", "prompt": "What is 3 + 3?", "ground_truth": "6"},
+    ]
+    ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "bad.parquet", rows)], max_prompt_tokens=64)
+    out = IngestStage().run(ctx)
+    assert out.counts["prompts"] == 1
+    assert out.counts["rejected"] == 5
+    rejects = read_parquet(f"{ctx.output_dir}/{out.extra_parts['rejects'][0].name}").to_pylist()
+    assert {(r["prompt_id"], r["reason"]) for r in rejects} == {
+        ("null", "empty_prompt"), ("blank", "empty_prompt"), ("nogt", "missing_ground_truth"),
+        ("long", "prompt_too_long"), ("ok", "duplicate_prompt_id")}
+    assert out.counts["rejected/empty_prompt"] == 2
+
+
+def test_a_file_without_a_prompt_column_is_a_data_error_naming_the_column(tmp_path, tokenizer_dir):
+    path = write_ours(tmp_path / "x.parquet", [{"question": "hi", "ground_truth": "1"}])
+    with pytest.raises(DataError, match="no 'prompt' column"):
+        IngestStage().run(make_ctx(tmp_path, tokenizer_dir, [path]))
+
+
+def test_missing_input_path_is_a_data_error(tmp_path, tokenizer_dir):
+    with pytest.raises(DataError, match="does not exist"):
+        IngestStage().run(make_ctx(tmp_path, tokenizer_dir, [tmp_path / "missing"]))
+
+
+def test_all_rows_rejected_is_a_data_error_not_an_empty_table(tmp_path, tokenizer_dir):
+    path = write_ours(tmp_path / "e.parquet", [{"prompt": "", "ground_truth": "1"}])
+    with pytest.raises(DataError, match="no valid prompts"):
+        IngestStage().run(make_ctx(tmp_path, tokenizer_dir, [path]))

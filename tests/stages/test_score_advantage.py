@@ -1,0 +1,87 @@
+"""score and advantage workers on hand-made rollout groups: rewards within rows, failures recorded,
+GRPO advantages, and the explode to one row per sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from batchrl.pipeline.schemas import conform
+from batchrl.stages.advantage import AdvantageWorker
+from batchrl.stages.score import RewardSet, ScoreWorker
+
+
+def rollouts(groups: list[tuple[str, str, list[str]]], data_source: str = "arith") -> pa.Table:
+    rows = []
+    for prompt_id, truth, responses in groups:
+        n = len(responses)
+        rows.append({
+            "prompt_id": prompt_id, "data_source": data_source, "messages_json": "[]", "prompt_text": "q",
+            "prompt_token_ids": [1, 2], "ground_truth": truth, "extra_info_json": None, "source_file": "f",
+            "source_row": 0, "response_texts": responses, "response_token_ids": [[3] * (i + 1) for i in range(n)],
+            "response_logprobs": [[-0.5] * (i + 1) for i in range(n)], "finish_reasons": ["stop"] * n,
+            "response_lengths": [i + 1 for i in range(n)], "sample_seeds": list(range(n)), "policy_version": 0,
+        })
+    return conform(pa.Table.from_pylist(rows), "rollouts")
+
+
+def worker(**overrides) -> ScoreWorker:
+    kwargs = {"terms": [], "by_data_source": {}, "failure_reward": 0.0} | overrides
+    return ScoreWorker(**kwargs)
+
+
+def test_default_reward_of_the_data_source_scores_each_sample_in_its_group_row():
+    table = rollouts([("p0", "7", ["#### 7", "#### 8", "no answer", "so #### 7"])])
+    out, counts = worker().process(table)
+    assert out.column("scores").to_pylist() == [[1.0, 0.0, 0.0, 1.0]]
+    assert out.column("score_errors").to_pylist() == [[None] * 4]
+    assert counts["score_sum"] == 2.0 and counts["num_samples"] == 4 and counts["failed_samples"] == 0
+
+
+def test_weighted_terms_add_up():
+    table = rollouts([("p0", "7", ["#### 7", "#### 8"])])
+    out, _ = worker(terms=[("gsm8k", 1.0), ("format_hash", 0.5)]).process(table)
+    assert out.column("scores").to_pylist() == [[1.5, 0.5]]
+
+
+@pytest.mark.parametrize("reward,error", [
+    ("custom_rewards:explodes", "raised RuntimeError: boom"),
+    ("custom_rewards:not_a_number", "not a finite number"),
+    ("custom_rewards:gives_up", "returned None"),
+])
+def test_a_failing_reward_scores_the_failure_reward_and_records_why(reward, error):
+    table = rollouts([("p0", "7", ["a", "b"])])
+    out, counts = worker(terms=[(reward, 1.0)], failure_reward=-1.0).process(table)
+    assert out.column("scores").to_pylist() == [[-1.0, -1.0]]
+    assert all(error in e for e in out.column("score_errors").to_pylist()[0])
+    assert counts["failed_samples"] == 2
+
+
+def test_an_unknown_data_source_without_a_reward_fails_before_scoring():
+    with pytest.raises(ValueError, match="reward_by_data_source"):
+        RewardSet(terms=[], by_data_source={}, failure_reward=0.0).functions_for("mystery")
+
+
+def test_advantages_are_group_relative_and_exploded_to_one_row_per_sample():
+    table = rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8", "#### 7"]), ("p1", "1", ["#### 1", "#### 1"] * 2)])
+    scored, _ = worker().process(table)
+    out, counts = AdvantageWorker(estimator="grpo", epsilon=1e-6).process(scored)
+    out = conform(out, "advantages")
+    assert out.num_rows == 8
+    assert out.column("prompt_id").to_pylist() == ["p0"] * 4 + ["p1"] * 4
+    assert out.column("sample_idx").to_pylist() == [0, 1, 2, 3] * 2
+    # rewards [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) -> +-0.5 / (0.57735 + 1e-6)
+    expected = 0.5 / (np.sqrt(1 / 3) + 1e-6)
+    np.testing.assert_allclose(out.column("advantage").to_numpy()[:4], [expected, -expected, -expected, expected],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(out.column("advantage").to_numpy()[4:], 0.0)  # all-equal group
+    assert out.column("response_token_ids").to_pylist()[2] == [3, 3, 3]
+    assert out.column("response_logprobs").to_pylist()[1] == [-0.5, -0.5]
+    assert counts["groups"] == 2 and counts["groups_all_equal"] == 1
+
+
+def test_drgrpo_subtracts_the_mean_without_std_scaling():
+    scored, _ = worker().process(rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8", "#### 8"])]))
+    out, _ = AdvantageWorker(estimator="drgrpo", epsilon=1e-6).process(scored)
+    np.testing.assert_allclose(out.column("advantage").to_numpy(), [0.75, -0.25, -0.25, -0.25], rtol=1e-6)

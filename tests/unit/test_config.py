@@ -1,0 +1,141 @@
+"""Config loading: field-named errors, profiles, --set overrides, and the CLI's exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchrl.config import ConfigError, load_pipeline
+
+REPO = Path(__file__).resolve().parents[2]
+
+MINIMAL = {
+    "name": "t",
+    "model": {"path": "some/model"},
+    "data": {"train_files": ["prompts/"]},
+}
+
+
+def write(tmp_path: Path, raw: dict, name: str = "p.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_minimal_pipeline_gets_documented_defaults(tmp_path):
+    cfg = load_pipeline(write(tmp_path, MINIMAL))
+    assert cfg.run_id == "t"
+    assert cfg.generate.num_samples_per_prompt == 4
+    assert cfg.advantage.epsilon == 1e-6
+
+
+def test_unknown_key_is_an_error_naming_the_dotted_field(tmp_path):
+    raw = dict(MINIMAL, generate={"temprature": 0.5})
+    with pytest.raises(ConfigError, match=r"unknown field 'generate\.temprature'"):
+        load_pipeline(write(tmp_path, raw))
+
+
+def test_wrong_type_names_the_field_and_the_value(tmp_path):
+    raw = dict(MINIMAL, generate={"num_samples_per_prompt": "many"})
+    with pytest.raises(ConfigError, match=r"generate\.num_samples_per_prompt: .*'many'"):
+        load_pipeline(write(tmp_path, raw))
+
+
+def test_missing_required_section_is_named(tmp_path):
+    raw = {k: v for k, v in MINIMAL.items() if k != "model"}
+    with pytest.raises(ConfigError, match=r"missing required field 'model'"):
+        load_pipeline(write(tmp_path, raw))
+
+
+def test_group_relative_advantage_needs_two_samples_per_prompt(tmp_path):
+    raw = dict(MINIMAL, generate={"num_samples_per_prompt": 1})
+    with pytest.raises(ConfigError, match=r"num_samples_per_prompt=1 must be >= 2"):
+        load_pipeline(write(tmp_path, raw))
+
+
+def test_missing_pipeline_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_pipeline(tmp_path / "nope.yaml")
+
+
+def test_invalid_yaml_reports_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: t\nmodel: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_pipeline(path)
+
+
+def test_set_overrides_win_over_the_file_and_parse_yaml_scalars(tmp_path):
+    cfg = load_pipeline(write(tmp_path, MINIMAL), overrides=["generate.temperature=0.25", "run.iterations=3",
+                                                               "generate.stop=['</s>']"])
+    assert cfg.generate.temperature == 0.25
+    assert cfg.run.iterations == 3
+    assert cfg.generate.stop == ["</s>"]
+
+
+def test_malformed_set_override_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_pipeline(write(tmp_path, MINIMAL), overrides=["generate.temperature"])
+
+
+def test_profiles_merge_under_the_pipeline_file(tmp_path):
+    (tmp_path / "conf" / "engine").mkdir(parents=True)
+    (tmp_path / "conf" / "engine" / "x.yaml").write_text(
+        yaml.safe_dump({"generate": {"engine": "hf", "temperature": 0.1, "max_new_tokens": 7}}))
+    (tmp_path / "pipelines").mkdir()
+    raw = dict(MINIMAL, profiles=["engine/x"], generate={"temperature": 0.9})
+    cfg = load_pipeline(write(tmp_path / "pipelines", raw))
+    assert cfg.generate.engine == "hf"  # from the profile
+    assert cfg.generate.max_new_tokens == 7  # from the profile
+    assert cfg.generate.temperature == 0.9  # the pipeline file wins
+
+
+def test_unknown_profile_says_where_it_looked(tmp_path):
+    raw = dict(MINIMAL, profiles=["engine/nope"])
+    with pytest.raises(ConfigError, match=r"profile 'engine/nope' not found"):
+        load_pipeline(write(tmp_path, raw))
+
+
+@pytest.mark.parametrize("pipeline", ["pipelines/quickstart.yaml", "pipelines/grpo_math.yaml"])
+def test_shipped_pipelines_validate(pipeline):
+    cfg = load_pipeline(REPO / pipeline)
+    assert cfg.run.iterations >= 2
+
+
+def test_grpo_math_is_the_real_qwen_job_on_object_storage():
+    cfg = load_pipeline(REPO / "pipelines/grpo_math.yaml")
+    assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert all(f.startswith("s3://") for f in cfg.data.train_files)
+    assert cfg.generate.engine == "vllm" and cfg.update.backend == "nccl"
+
+
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchrl.cli", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_validate_prints_the_resolved_config():
+    result = run_cli("validate", "pipelines/quickstart.yaml", "--set", "generate.max_new_tokens=9")
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["generate"]["max_new_tokens"] == 9
+    assert resolved["generate"]["engine"] == "vllm"  # merged from conf/engine/vllm_cpu.yaml
+
+
+def test_validate_exits_2_with_a_one_line_field_error_and_no_traceback(tmp_path):
+    raw = dict(MINIMAL, update={"lr": "fast"})
+    result = run_cli("validate", str(write(tmp_path, raw)))
+    assert result.returncode == 2
+    assert "update.lr" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_run_with_a_config_error_exits_2_and_writes_nothing(tmp_path):
+    raw = dict(MINIMAL, run={"root": str(tmp_path / "runs")}, bogus=1)
+    result = run_cli("run", str(write(tmp_path, raw)))
+    assert result.returncode == 2
+    assert "unknown field 'bogus'" in result.stderr
+    assert not (tmp_path / "runs").exists()
