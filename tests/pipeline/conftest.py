@@ -1,13 +1,20 @@
 """A real S3 endpoint for pipeline tests: moto's server on 127.0.0.1.
 
-CI (.ci/run) starts one and exports BATCHRL_TEST_S3_ENDPOINT; otherwise the fixture starts its own.
+CI (.ci/run) starts one and exports BATCHRL_TEST_S3_ENDPOINT; otherwise the fixture starts its own, in a
+separate process: importing moto.server (Flask) into the test process breaks vLLM's in-process engine,
+whose kernel registration touches every module's attributes, including Flask's context proxies.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -21,17 +28,27 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def s3_endpoint():
     endpoint = os.environ.get("BATCHRL_TEST_S3_ENDPOINT")
-    server = None
-    if not endpoint:
-        from moto.server import ThreadedMotoServer
-
-        port = _free_port()
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-        server.start()
-        endpoint = f"http://127.0.0.1:{port}"
+    if endpoint:
+        yield endpoint
+        return
+    port = _free_port()
+    moto_server = Path(sys.executable).with_name("moto_server")
+    server = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError(f"moto_server did not start on port {port}")
+            time.sleep(0.2)
     yield endpoint
-    if server is not None:
-        server.stop()
+    server.terminate()
+    server.wait(timeout=10)
 
 
 @pytest.fixture
