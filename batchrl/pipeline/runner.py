@@ -103,6 +103,8 @@ class Runner:
         self.summary = RunSummary(run_dir=self.layout.run_dir)
 
     def run(self) -> RunSummary:
+        self._ensure_toy_assets()
+        self.check_inputs()  # config errors surface here, before the run directory is touched
         with RunLock(self.layout.lock), _ray_session(self.cfg):
             self._write_run_yaml()
             prompts = self.stage("ingest")
@@ -139,6 +141,15 @@ class Runner:
         self.summary.ran.append(step.label)
         return manifest
 
+    def check_inputs(self) -> None:
+        """Config-level checks of every stage that has them; ingest's only while it still has to run."""
+        for name in stage_order():
+            if name == "ingest" and self.plan[("ingest", None)].status == "done":
+                continue
+            check = getattr(STAGES[name](), "check_inputs", None)
+            if check is not None:
+                check(self.cfg)
+
     def preflight(self, prompts: Manifest) -> None:
         data_sources = sorted(k.split("/", 1)[1] for k in prompts.counts if k.startswith("data_source/"))
         for name in stage_order():
@@ -156,6 +167,8 @@ class Runner:
     def _write_run_yaml(self) -> None:
         text = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
         write_bytes_atomic(self.layout.run_yaml, text.encode())
+
+    def _ensure_toy_assets(self) -> None:
         if self.cfg.toy_assets is not None:
             from batchrl.toy import ensure_toy_assets
 

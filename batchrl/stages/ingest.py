@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from batchrl.config import PipelineConfig
+from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.manifest import PartInfo
 from batchrl.pipeline.schemas import load_schema
 from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
-from batchrl.storage import StorageError, expand_parquet_files, join, read_parquet, write_parquet_atomic
+from batchrl.storage import StorageError, expand_parquet_files, join, read_parquet, resolve, write_parquet_atomic
 from batchrl.storage.layout import part_name
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,26 @@ class IngestStage:
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         return {"data": cfg.data.model_dump(), "tokenizer": cfg.model.tokenizer or cfg.model.path}
+
+    def check_inputs(self, cfg: PipelineConfig) -> None:
+        """Before anything is written: every input exists and has the needed columns (reads footers only)."""
+        try:
+            files = expand_parquet_files(cfg.data.train_files)
+        except StorageError as err:
+            raise ConfigError(f"{err}; fix data.train_files") from None
+        for uri in files:
+            try:
+                fs, path = resolve(uri)
+                with fs.open(path, "rb") as f:
+                    columns = set(pq.read_schema(f).names)
+            except (OSError, pa.ArrowInvalid) as err:
+                raise ConfigError(f"data.train_files: {uri} is not a readable Parquet file ({err})") from None
+            missing = _missing_columns(columns)
+            if missing:
+                raise ConfigError(f"data.train_files: {uri} has no {missing} column (columns: {sorted(columns)}); "
+                                  f"use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or "
+                                  f"verl's (prompt, reward_model.ground_truth, data_source)")
+        _check_model_path(cfg.model.tokenizer or cfg.model.path, field="model.tokenizer" if cfg.model.tokenizer else "model.path")
 
     def run(self, ctx: StageContext) -> StageOutput:
         cfg = ctx.cfg
@@ -100,11 +122,10 @@ def _normalized_rows(uri: str):
     except StorageError as err:
         raise DataError(str(err)) from None
     columns = set(table.column_names)
-    if "prompt" not in columns:
-        raise DataError(f"{uri}: no 'prompt' column (columns: {sorted(columns)}); expected batchrl's layout "
+    missing = _missing_columns(columns)
+    if missing:
+        raise DataError(f"{uri}: no {missing} column (columns: {sorted(columns)}); expected batchrl's layout "
                         f"(prompt, ground_truth[, data_source, prompt_id]) or verl's (prompt, reward_model, data_source)")
-    if "ground_truth" not in columns and "reward_model" not in columns:
-        raise DataError(f"{uri}: no 'ground_truth' or 'reward_model' column; add the reference answers")
     stem = uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
     for index, raw in enumerate(table.to_pylist()):
         reward_model = raw.get("reward_model") or {}
@@ -118,6 +139,24 @@ def _normalized_rows(uri: str):
             "source_file": uri,
             "source_row": index,
         }
+
+
+def _missing_columns(columns: set[str]) -> str | None:
+    if "prompt" not in columns:
+        return "'prompt'"
+    if "ground_truth" not in columns and "reward_model" not in columns:
+        return "'ground_truth' (or verl's 'reward_model')"
+    return None
+
+
+def _check_model_path(path: str, *, field: str) -> None:
+    """A local checkpoint directory must exist; a hub id (org/name) is left to the loader."""
+    if "://" in path or os.path.isdir(path):
+        return
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ConfigError(f"{field}: {path!r} is neither a local checkpoint directory nor a hub id like "
+                          f"Qwen/Qwen2.5-0.5B-Instruct; fix the path")
 
 
 def _validate(row: dict[str, Any], *, seen: set[str]) -> Reject | None:

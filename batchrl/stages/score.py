@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchrl.config import PipelineConfig
+from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.rewards import RewardFn, resolve_reward, reward_name_for
@@ -101,11 +101,24 @@ class ScoreStage:
         return {"terms": [(t.reward, t.weight) for t in s.rewards],
                 "by_data_source": dict(s.reward_by_data_source), "failure_reward": s.failure_reward}
 
+    def check_inputs(self, cfg: PipelineConfig) -> None:
+        """Before anything is written: every reward named in the config resolves."""
+        kwargs = self.reward_kwargs(cfg)
+        try:
+            RewardSet(**kwargs)
+            for data_source, reward in kwargs["by_data_source"].items():
+                resolve_reward(reward)
+        except ValueError as err:
+            raise ConfigError(f"score: {err}") from None
+
     def preflight(self, cfg: PipelineConfig, *, data_sources: list[str]) -> None:
-        """Resolves every reward the run will need, before any generation: a bad name fails fast."""
+        """After ingest, before any generation: every data_source in the prompts has a reward."""
         rewards = RewardSet(**self.reward_kwargs(cfg))
         for data_source in data_sources:
-            rewards.functions_for(data_source)
+            try:
+                rewards.functions_for(data_source)
+            except ValueError as err:
+                raise ConfigError(f"score: {err}") from None
 
     def run(self, ctx: StageContext) -> StageOutput:
         reward_kwargs = self.reward_kwargs(ctx.cfg)
