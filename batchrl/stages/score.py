@@ -106,7 +106,7 @@ class ScoreStage:
         kwargs = self.reward_kwargs(cfg)
         try:
             RewardSet(**kwargs)
-            for data_source, reward in kwargs["by_data_source"].items():
+            for reward in kwargs["by_data_source"].values():
                 resolve_reward(reward)
         except ValueError as err:
             raise ConfigError(f"score: {err}") from None

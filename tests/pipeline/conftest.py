@@ -44,7 +44,7 @@ def s3_endpoint():
         except OSError:
             if time.monotonic() > deadline or server.poll() is not None:
                 server.kill()
-                raise RuntimeError(f"moto_server did not start on port {port}")
+                raise RuntimeError(f"moto_server did not start on port {port}") from None
             time.sleep(0.2)
     yield endpoint
     server.terminate()
