@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,8 +28,12 @@ RunIdOpt = typer.Option(None, "--run-id", help="Run id (directory under run.root
 
 
 def _setup_logging(verbose: bool) -> None:
+    # vLLM logs every engine start at INFO; Ray workers inherit this environment.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not verbose:
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
 def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineConfig:

@@ -137,7 +137,8 @@ class Runner:
                             counts=output.counts, stats=output.stats, extra_parts=output.extra_parts)
         write_manifest(step.output_dir, manifest)
         step.status, step.manifest = "done", manifest
-        logger.info("%s: done in %.1f s, %d rows", step.label, manifest.finished_at - started, manifest.num_rows)
+        rows = f", {manifest.num_rows} rows" if stage.schema else ""
+        logger.info("%s: done in %.1f s%s", step.label, manifest.finished_at - started, rows)
         self.summary.ran.append(step.label)
         return manifest
 

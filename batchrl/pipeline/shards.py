@@ -100,7 +100,7 @@ def run_sharded(
             worker_cls,
             fn_constructor_kwargs=worker_kwargs,
             batch_size=1,
-            concurrency=max(1, min(concurrency, len(jobs))),
+            compute=ray.data.ActorPoolStrategy(size=max(1, min(concurrency, len(jobs)))),
             num_cpus=num_cpus,
             num_gpus=num_gpus or None,
         ).take_all()
