@@ -72,6 +72,10 @@ class GenerateConfig(_Strict):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1.0, description="vLLM GPU memory fraction per actor.")
     max_model_len: int | None = Field(None, ge=1, description="vLLM max sequence length; default prompt limit + max_new_tokens.")
     enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in vLLM (faster start-up).")
+    engine_lifetime: Literal["run", "stage"] = Field(
+        "run", description="run: engines are built once and new policies are pushed into them in place each "
+        "iteration; stage: engines are released after each generate stage (frees GPU memory for the update "
+        "when generation and training share GPUs).")
 
 
 class RewardTerm(_Strict):

@@ -119,8 +119,19 @@ class VLLMEngine:
         """
         if self._llm is None:
             raise RuntimeError("update_weights() on a closed VLLMEngine")
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        named_tensors = self._with_tied_lm_head(dict(named_tensors))
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors.items())})
         self._llm.reset_prefix_cache()
+
+    def _with_tied_lm_head(self, named_tensors: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint with tied embeddings has no lm_head.weight, but vLLM's CPU backend keeps a repacked
+        lm_head of its own: without the alias the push would leave the old output projection in place."""
+        hf_config = self._llm.llm_engine.model_config.hf_config
+        if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in named_tensors:
+            embedding = next((k for k in named_tensors if k.endswith("embed_tokens.weight")), None)
+            if embedding is not None:
+                named_tensors["lm_head.weight"] = named_tensors[embedding]
+        return named_tensors
 
     def close(self) -> None:
         """Shut the engine core down and drop the model; idempotent. A new engine may be built after."""
