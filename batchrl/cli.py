@@ -1,6 +1,10 @@
 """The batchrl command line: thin wrappers over config loading, planning and the runner.
 
-Exit codes: 0 done, 1 internal failure, 2 configuration error, 3 data error, 4 interrupted.
+Exit codes (for schedulers: retry 4, fix and rerun 2 and 3, report 1):
+0 done (including an incremental run that found no new input file), 1 internal failure (a bug),
+2 configuration error (nothing is run; also: the run directory is locked by a live run),
+3 data error (unreadable or invalid input data), 4 interrupted (SIGINT/SIGTERM, or object storage
+unreachable beyond the retries): the same command resumes the run.
 """
 
 from __future__ import annotations
@@ -8,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -16,8 +22,11 @@ import typer
 
 from batchrl.config import ConfigError, PipelineConfig, load_pipeline
 
+EXIT_CODES_HELP = ("Exit codes: 0 done; 1 internal failure; 2 configuration error, nothing run (also: run directory "
+                   "locked by a live run); 3 data error; 4 interrupted (SIGINT/SIGTERM, object storage unreachable): "
+                   "the same command resumes the run.")
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="batchrl: offline batch-mode RL post-training (GRPO/PPO) over Parquet.")
+                  help="batchrl: offline batch-mode RL post-training (GRPO/PPO) over Parquet. " + EXIT_CODES_HELP)
 logger = logging.getLogger("batchrl")
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DATA, EXIT_INTERRUPTED = 0, 1, 2, 3, 4
@@ -25,6 +34,11 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DATA, EXIT_INTERRUPTED = 0, 1, 2, 3, 4
 PipelineArg = typer.Argument(..., help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")
 SetOpt = typer.Option([], "--set", help="Override a config field: --set generate.temperature=0.7 (repeatable).")
 RunIdOpt = typer.Option(None, "--run-id", help="Run id (directory under run.root); the same id resumes.")
+FromStageOpt = typer.Option(None, "--from-stage", help="Redo this stage (ingest, generate, score, advantage, update) "
+                            "of --iteration and every stage after it, keeping the stages before it.")
+IterationOpt = typer.Option(None, "--iteration", help="Iteration of --from-stage (default 0).")
+VerifyOpt = typer.Option(False, "--verify", help="Check every committed part's sha256 against its manifest "
+                         "(reads all data); damaged parts are redone. Without it, only presence and size are checked.")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -54,43 +68,87 @@ def validate(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id
 
 
 @app.command()
-def plan(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Optional[str] = RunIdOpt) -> None:
-    """Print the stages of the run and which are complete (skipped), stale, partial or pending."""
-    from batchrl.pipeline.runner import build_plan
+def plan(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Optional[str] = RunIdOpt,
+         from_stage: Optional[str] = FromStageOpt, iteration: Optional[int] = IterationOpt,
+         verify: bool = VerifyOpt) -> None:
+    """Print the stages of the run and what `batchrl run` would do with each: skip, resume, redo or run."""
+    from batchrl.pipeline.runner import build_plan, check_from_stage
 
     cfg = _load(pipeline, overrides, run_id)
-    _print_plan(cfg, build_plan(cfg))
+    try:
+        if from_stage is not None:
+            check_from_stage(cfg, from_stage, iteration)
+        steps = build_plan(cfg, from_stage=from_stage, from_iteration=iteration, verify_checksums=verify)
+    except ConfigError as err:
+        typer.echo(f"config error: {err}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
+    _print_plan(cfg, steps)
+
+
+ACTIONS = {"done": "skip (complete)", "damaged": "repair (redo damaged)", "stale": "redo (config changed)",
+           "partial": "resume (partial)", "pending": "run", "forced": "redo (--from-stage)"}
 
 
 def _print_plan(cfg: PipelineConfig, steps) -> None:
     from batchrl.storage import RunLayout
 
     typer.echo(f"run {RunLayout.for_run(cfg.run.root, cfg.run_id).run_dir}")
-    actions = {"done": "skip (complete)", "stale": "redo (config changed)", "partial": "resume (partial)",
-               "pending": "run"}
     for step in steps:
-        rows = f"{step.manifest.num_rows} rows" if step.manifest is not None and step.manifest.schema else ""
-        typer.echo(f"  {step.label:<22} {step.status:<8} {actions[step.status]:<22} {rows}")
+        typer.echo(f"  {step.label:<22} {step.status:<8} {ACTIONS[step.status]:<22} {_step_detail(step)}".rstrip())
+
+
+def _step_detail(step) -> str:
+    """Rows, parts, rejects and duration of a committed stage; shards written of a partial one."""
+    manifest = step.manifest
+    if step.status == "partial":
+        since = f", started {time.strftime('%H:%M:%S', time.localtime(step.started_at))}" if step.started_at else ""
+        if not step.sharded:
+            return f"{step.parts_written} file(s) of an interrupted attempt, redone whole{since}"
+        total = "?" if step.parts_total is None else step.parts_total
+        return f"{step.parts_written} of {total} shards written{since}"
+    if manifest is None:
+        return ""
+    size = f"{manifest.num_rows} rows" if manifest.schema else f"{len(manifest.parts)} files"
+    details = [size, f"{len(manifest.parts)} parts" if manifest.schema else None,
+               f"{manifest.finished_at - manifest.started_at:.1f} s"]
+    for key, label in (("rejected", "rejected"), ("failed_samples", "reward failures")):
+        if manifest.counts.get(key):
+            details.append(f"{manifest.counts[key]} {label}")
+    if step.damaged:
+        details.append(f"{len(step.damaged)} damaged: {', '.join(step.damaged[:3])}")
+    return ", ".join(d for d in details if d)
 
 
 @app.command()
 def run(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Optional[str] = RunIdOpt,
+        from_stage: Optional[str] = FromStageOpt, iteration: Optional[int] = IterationOpt, verify: bool = VerifyOpt,
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
-    """Run (or resume) a pipeline: ingest, then generate -> score -> advantage -> update per iteration."""
+    """Run (or resume) a pipeline: ingest, then generate -> score -> advantage -> update per iteration.
+
+    Exit codes: 0 done, 1 internal failure, 2 configuration error, 3 data error, 4 interrupted (resume it
+    with the same command).
+    """
     cfg = _load(pipeline, overrides, run_id)
     _setup_logging(verbose)
     from batchrl.pipeline.lock import RunLockedError
     from batchrl.pipeline.runner import Runner
     from batchrl.pipeline.stage import DataError
-    from batchrl.storage import StorageError
+    from batchrl.storage import StorageError, is_transient_storage_error
 
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # schedulers stop jobs with SIGTERM: release lock, exit 4
     try:
-        summary = Runner(cfg).run()
+        summary = Runner(cfg, from_stage=from_stage, from_iteration=iteration, verify_checksums=verify).run()
     except KeyboardInterrupt:
         typer.echo("interrupted: run again with the same command to resume", err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Exception as err:  # noqa: BLE001 — mapped to exit codes below, unknown errors re-raised
-        cause = _user_error(err, (ConfigError, DataError, StorageError, RunLockedError))
+        transient = _find_cause(err, is_transient_storage_error)
+        if transient is not None:
+            typer.echo(f"interrupted: object storage unreachable ({type(transient).__name__}: {transient}); "
+                       f"nothing is torn: run the same command again to resume", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        kinds = (ConfigError, DataError, StorageError, RunLockedError)
+        cause = _find_cause(err, lambda e: isinstance(e, kinds))
         if cause is None:
             raise
         code = EXIT_CONFIG if isinstance(cause, (ConfigError, RunLockedError)) else EXIT_DATA
@@ -99,19 +157,26 @@ def run(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Opt
     _print_summary(summary)
 
 
-def _user_error(err: BaseException, kinds: tuple[type, ...]) -> BaseException | None:
-    """The user error behind ``err`` (Ray wraps worker exceptions), or None for a genuine failure."""
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _find_cause(err: BaseException, matches) -> BaseException | None:
+    """The first exception in ``err``'s cause chain (Ray wraps worker exceptions) that ``matches``."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, kinds):
+        if matches(err):
             return err
-        err = getattr(err, "cause", None) or err.__cause__
+        context = None if err.__suppress_context__ else err.__context__
+        err = getattr(err, "cause", None) or err.__cause__ or context
     return None
 
 
 def _print_summary(summary) -> None:
     typer.echo(f"run {summary.run_dir}: ran {len(summary.ran)} stage(s), skipped {len(summary.skipped)}")
+    if summary.no_new_files:
+        typer.echo("no input file that the runs before this one have not ingested: nothing to train on")
     columns = ["iteration", "critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/ppo_kl",
                "actor/grad_norm", "timing_s/step"]
     typer.echo("  ".join(f"{c:>20}" for c in columns))
@@ -124,10 +189,39 @@ def _fmt(value) -> str:
 
 
 @app.command()
-def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) holding run.yaml.")) -> None:
-    """Show each stage of a run: done / stale / partial / pending, with row counts."""
-    from batchrl.config import validate_dict
+def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) holding run.yaml."),
+           verify: bool = VerifyOpt) -> None:
+    """Each stage of a run: done / partial (k of n shards) / pending / stale / damaged; rows, rejects, durations, lock."""
+    from batchrl.pipeline.lineage import read_lineage
+    from batchrl.pipeline.lock import holder_state, lock_holder
     from batchrl.pipeline.runner import build_plan
+    from batchrl.storage import RunLayout
+
+    cfg = _run_config(run_dir)
+    try:
+        steps = build_plan(cfg, verify_checksums=verify)
+    except ConfigError as err:
+        typer.echo(f"config error: {err}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
+    _print_plan(cfg, steps)
+    lineage = read_lineage(run_dir)
+    if lineage is not None:
+        typer.echo(f"warm start: {lineage.initial_policy} (init_from {lineage.init_from}); "
+                   f"{len(lineage.seen_files)} input file(s) ingested by earlier runs"
+                   + ("; found no new input file" if lineage.no_new_files else ""))
+    holder = lock_holder(RunLayout(run_dir).lock)
+    if holder is None:
+        typer.echo("lock: free")
+    else:
+        state = holder_state(holder)
+        hint = {"dead": " (stale: the next run takes it over)", "expired": " (stale: the next run takes it over)",
+                "other host": f" (if that run is gone: batchrl unlock {run_dir})"}.get(state, "")
+        typer.echo(f"lock: held by pid {holder.get('pid')} on {holder.get('host')} since "
+                   f"{time.ctime(holder.get('since', 0))}, {state}{hint}")
+
+
+def _run_config(run_dir: str) -> PipelineConfig:
+    from batchrl.config import validate_dict
     from batchrl.storage import StorageError, join, resolve
 
     import yaml
@@ -143,7 +237,27 @@ def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
     except ConfigError as err:
         typer.echo(f"config error: {err}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None
-    _print_plan(cfg, build_plan(cfg))
+    root, _, run_id = run_dir.rstrip("/").rpartition("/")
+    # the directory asked about, even if the run was copied or moved since run.yaml was written
+    cfg.run = cfg.run.model_copy(update={"root": root or ".", "id": run_id})
+    return cfg
+
+
+@app.command()
+def unlock(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) whose run.lock to clear.")) -> None:
+    """Clear the lock of a run that is no longer running (e.g. a killed job on another host)."""
+    from batchrl.pipeline.lock import RunLockedError, break_lock
+    from batchrl.storage import RunLayout
+
+    try:
+        holder = break_lock(RunLayout(run_dir).lock)
+    except RunLockedError as err:
+        typer.echo(f"config error: {err}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
+    if holder is None:
+        typer.echo(f"{run_dir} is not locked")
+    else:
+        typer.echo(f"removed the lock of pid {holder.get('pid')} on {holder.get('host')}; `batchrl run` can resume")
 
 
 @app.command()

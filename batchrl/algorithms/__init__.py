@@ -1,5 +1,12 @@
-"""Pure algorithm functions: advantages (numpy) and policy losses (torch).
+"""Pure algorithm functions of arrays: no configuration objects, no I/O, no distributed calls.
 
-Everything here is a function of arrays: no configuration objects, no I/O, no distributed calls.
-Stages and the trainer are the glue that feeds them.
+- advantages (numpy): GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, pass@k, batch whitening, DAPO dynamic
+  sampling and overlong penalty; `compute_advantages(estimator, rewards_PG, **options)` dispatches by name.
+- losses (torch): token log-probs and entropy, PPO-clip (clip-higher, dual-clip), GSPO, truncated
+  importance sampling, loss aggregation modes, entropy bonus.
+- kl (torch, numpy): per-token KL estimators (k1, k2, k3, low_var_kl, ...) for a loss term, and the KL
+  folded into sequence rewards.
+
+Stages and the trainer are the glue that feeds them. Submodules are imported explicitly (the numpy-only
+advantage stage need not import torch).
 """

@@ -1,11 +1,21 @@
-"""Token log-probabilities, entropy and the PPO-clip policy loss, as pure torch functions.
+"""Token log-probabilities, entropy, the PPO-clip and GSPO policy losses, as pure torch functions.
 
 Why these pieces: GRPO and PPO share one policy update. The trainer computes the current policy's
 log-probability of every response token (`token_logprobs`), compares it with the log-probability under
 the policy that generated the data (`old_logprobs`), and applies the clipped surrogate of PPO
 (https://arxiv.org/abs/1707.06347) per token (`ppo_clip_token_losses`). The per-token losses are then
 reduced to one scalar by `aggregate_token_losses`, whose mode decides how long and short responses are
-weighted (token-mean is DAPO's recommendation, seq-mean-token-mean is the GRPO paper's).
+weighted (token-mean is DAPO's recommendation, seq-mean-token-mean is the GRPO paper's,
+seq-mean-token-sum-norm is Dr.GRPO's constant normaliser).
+
+The other policy-loss pieces compose with these by plain arithmetic on [batch, tokens] tensors:
+- GSPO (https://arxiv.org/abs/2507.18071): `gspo_token_losses` replaces `ppo_clip_token_losses` with a
+  sequence-level ratio; aggregate it with seq-mean-token-mean to get the GSPO objective.
+- truncated importance sampling (`truncated_is_weights`): multiply the pg token losses by the weights
+  before aggregating, to correct for the rollout engine sampling from a slightly different distribution
+  than the trainer computes.
+- entropy bonus: `loss = pg_loss - entropy_coeff * entropy_bonus(entropy_BT, mask_BT, <same aggregation>)`.
+- KL to a reference model: see batchrl.algorithms.kl.
 
 Memory: logits are [batch, tokens, vocab] and vocabularies run to 150k+, so a float32 log-softmax copy
 of bf16 logits can be the largest tensor of the step. `token_logprobs` and `entropy_from_logits` work
@@ -17,16 +27,20 @@ Semantics follow verl (core_algos.compute_policy_loss_vanilla, agg_loss):
 - the log ratio is clamped to [-20, 20] before exp, so one stale token cannot produce inf/NaN;
 - `is_clipped` is where the clipped branch is strictly larger (verl's `actor/pg_clipfrac`);
 - `approx_kl` is the mean of old - new log-probs (verl's `actor/ppo_kl`);
-- fully masked sequences do not count as sequences in the seq-mean modes.
+- fully masked sequences do not count as sequences in the seq-mean modes;
+- GSPO and truncated IS follow `compute_policy_loss_gspo` and verl's token-level rollout correction.
 Departures: dual-clip PPO (https://arxiv.org/abs/1912.09729) is off unless `dual_clip_ratio` is given,
 whereas verl always applies it with 3.0; `aggregate_token_losses` returns the rank's share of the
-global loss rather than verl's share multiplied by dp_size (see its docstring). Log-probabilities are
-at least float32 whatever the logits dtype (verl returns bf16 log-probs for bf16 logits).
+global loss rather than verl's share multiplied by dp_size (see its docstring); seq-mean-token-sum-norm
+divides by the number of sequences itself, where verl gets that factor from its micro-batch scaling;
+GSPO's log ratio is clamped to [-20, 20] like PPO's (verl: at most 10). Log-probabilities are at least
+float32 whatever the logits dtype (verl returns bf16 log-probs for bf16 logits).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -34,7 +48,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LOG_RATIO_CLAMP = 20.0
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 25  # 128 MiB of float32 per chunk
 
 
@@ -181,6 +195,13 @@ def _check_same_shape(**tensors: torch.Tensor) -> None:
         raise ValueError(f"these tensors must have the same shape, got {shapes}")
 
 
+def _check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float) -> None:
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"clip_ratio_low={clip_ratio_low} must be in [0, 1): the lower bound is 1 - low")
+    if not clip_ratio_high >= 0.0:
+        raise ValueError(f"clip_ratio_high={clip_ratio_high} must be >= 0: the upper bound is 1 + high")
+
+
 def ppo_clip_token_losses(
     logprobs_BT: torch.Tensor,  # [batch, tokens] current policy, carries the gradient
     old_logprobs_BT: torch.Tensor,  # [batch, tokens] behaviour policy, treated as constant
@@ -198,10 +219,7 @@ def ppo_clip_token_losses(
     `is_clipped` marks tokens where the clipped branch is strictly larger (its gradient is zero there).
     """
     _check_same_shape(logprobs=logprobs_BT, old_logprobs=old_logprobs_BT, advantages=advantages_BT)
-    if not 0.0 <= clip_ratio_low < 1.0:
-        raise ValueError(f"clip_ratio_low={clip_ratio_low} must be in [0, 1): the lower bound is 1 - low")
-    if clip_ratio_high < 0.0:
-        raise ValueError(f"clip_ratio_high={clip_ratio_high} must be >= 0: the upper bound is 1 + high")
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
     if dual_clip_ratio is not None and dual_clip_ratio <= 1.0:
         raise ValueError(f"dual_clip_ratio={dual_clip_ratio} must be > 1 (3.0 is usual) or None")
     advantages_BT = advantages_BT.detach()
@@ -215,6 +233,67 @@ def ppo_clip_token_losses(
         capped_BT = torch.minimum(pg_losses_BT, -advantages_BT * dual_clip_ratio)
         pg_losses_BT = torch.where(advantages_BT < 0, capped_BT, pg_losses_BT)
     return pg_losses_BT, is_clipped_BT, ratio_BT
+
+
+def gspo_token_losses(
+    logprobs_BT: torch.Tensor,  # [batch, tokens] current policy, carries the gradient
+    old_logprobs_BT: torch.Tensor,  # [batch, tokens] behaviour policy, treated as constant
+    advantages_BT: torch.Tensor,  # [batch, tokens] the sequence's advantage on its tokens, constant
+    mask_BT: torch.Tensor,  # [batch, tokens] bool or 0/1, 1 on response tokens
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (pg_losses_BT, is_clipped_BT, ratio_BT) of GSPO-token, per token, unmasked.
+
+    GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071) clips one importance ratio per SEQUENCE,
+    the geometric mean of its token ratios: s_i = exp(mean_t (logp_t - old_t)) over the masked tokens.
+    Its token-level form (GSPO-token) uses s_it = sg[s_i] * p_t / sg[p_t], computed as
+    exp(logp_t - sg[logp_t] + sg[log s_i]): the VALUE of every token's ratio is s_i, and the gradient of
+    mean_t(-A s_it) is -A s_i * mean_t grad logp_t = grad(-A s_i). So aggregated with
+    "seq-mean-token-mean" and a per-sequence advantage, the loss and gradient equal the sequence-level
+    objective mean_i max(-A_i s_i, -A_i clip(s_i, 1 - low, 1 + high)); per-token advantages give GSPO-token.
+    A clipped sequence is clipped on all its tokens. GSPO's clip ranges are tiny because s_i is a per-token
+    geometric mean: the paper uses clip_ratio_low=3e-4, clip_ratio_high=4e-4.
+    """
+    _check_same_shape(logprobs=logprobs_BT, old_logprobs=old_logprobs_BT, advantages=advantages_BT, mask=mask_BT)
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    mask_BT = mask_BT.bool()
+    advantages_BT = advantages_BT.detach()
+    with torch.no_grad():
+        token_log_ratio_BT = (logprobs_BT - old_logprobs_BT).masked_fill(~mask_BT, 0)
+        seq_log_ratio_B = token_log_ratio_BT.sum(-1) / mask_BT.sum(-1).clamp_min(1)
+    log_ratio_BT = logprobs_BT - logprobs_BT.detach() + seq_log_ratio_B.unsqueeze(-1)
+    ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped_BT = -advantages_BT * ratio_BT
+    clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    return torch.maximum(unclipped_BT, clipped_BT), clipped_BT > unclipped_BT, ratio_BT
+
+
+def truncated_is_weights(
+    trainer_old_logprobs_BT: torch.Tensor,  # [batch, tokens] trainer's log-probs of the behaviour policy
+    rollout_logprobs_BT: torch.Tensor,  # [batch, tokens] log-probs the rollout engine reported
+    mask_BT: torch.Tensor,  # [batch, tokens] bool or 0/1
+    *,
+    cap: float,
+) -> torch.Tensor:
+    """Return per-token truncated importance weights min(exp(old - rollout), cap), detached; 0 off-mask.
+
+    Why: the rollout engine (vLLM: other kernels, bf16/fp8, sampling tweaks) samples from a distribution
+    slightly different from the one the trainer computes for the same weights, so "on-policy" data is
+    off-policy. Weighting each token's pg loss by pi_trainer / pi_rollout corrects the mismatch;
+    truncating at `cap` bounds the variance (TIS, Yao et al. 2025, "Your Efficient RL Framework Secretly
+    Brings You Off-Policy RL Training"; verl's rollout correction, token level, threshold 2.0).
+    Use: `pg_losses_BT * truncated_is_weights(...)`, then aggregate as usual. The weights carry no gradient.
+    """
+    _check_same_shape(old_logprobs=trainer_old_logprobs_BT, rollout_logprobs=rollout_logprobs_BT, mask=mask_BT)
+    if not cap > 0 or cap == float("inf"):
+        raise ValueError(f"cap={cap} must be a finite number > 0 (2.0 is usual)")
+    mask_BT = mask_BT.bool()
+    with torch.no_grad():
+        log_ratio_BT = (trainer_old_logprobs_BT - rollout_logprobs_BT).masked_fill(~mask_BT, 0)
+        weights_BT = torch.exp(log_ratio_BT.clamp(max=math.log(cap)))  # min in log space: never overflows
+        return weights_BT.masked_fill(~mask_BT, 0)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
@@ -238,6 +317,28 @@ def approx_kl(
     return masked_mean(-log_ratio_BT, mask_BT)
 
 
+def _check_aggregation(
+    losses_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    mode: str,
+    counts: dict[str, float | None],
+) -> None:
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {list(AGGREGATION_MODES)}")
+    _check_same_shape(losses=losses_BT, mask=mask_BT)
+    if losses_BT.ndim != 2:
+        raise ValueError(f"losses must be [batch, tokens], got shape {tuple(losses_BT.shape)}")
+    for name, count in counts.items():
+        if count is not None and not count > 0:
+            raise ValueError(f"{name}={count} must be > 0")
+    if mode == "seq-mean-token-sum-norm" and counts["norm_length"] is None:
+        raise ValueError(
+            "loss aggregation seq-mean-token-sum-norm needs norm_length, a constant such as "
+            "max_response_length (verl's default, the padded batch length, varies between micro-batches)"
+        )
+
+
 def aggregate_token_losses(
     losses_BT: torch.Tensor,  # [batch, tokens]
     mask_BT: torch.Tensor,  # [batch, tokens] bool or 0/1, 1 on response tokens that count
@@ -245,28 +346,32 @@ def aggregate_token_losses(
     mode: str,
     num_global_tokens: float | None = None,
     num_global_seqs: float | None = None,
+    norm_length: float | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses to the scalar to backpropagate.
 
-    Modes: "token-mean" = sum(loss * mask) / num_tokens; "seq-mean-token-mean" = mean over sequences
-    of each sequence's token mean; "seq-mean-token-sum" = mean over sequences of each sequence's token
-    sum. Sequences with no masked-in token do not count.
+    Modes, with S = the sequences that have at least one masked-in token:
+    - "token-mean": sum(loss * mask) / num_tokens (DAPO);
+    - "seq-mean-token-mean": mean over S of each sequence's token mean (GRPO paper);
+    - "seq-mean-token-sum": mean over S of each sequence's token sum;
+    - "seq-mean-token-sum-norm": sum(loss * mask) / (|S| * norm_length), Dr.GRPO's loss
+      (https://arxiv.org/abs/2503.20783): every token weighs 1 / constant, so long responses are neither
+      diluted (seq-mean-token-mean) nor favoured by the batch's own length. `norm_length` is required
+      here (e.g. max_response_length) and ignored by the other modes. verl (agg_loss with
+      loss_scale_factor) divides a micro-batch's token sum by the constant and gets the 1 / num_seqs
+      from scaling each micro-batch loss by its share of the mini-batch, so the total is the same
+      except that verl's num_seqs also counts sequences with no masked-in token.
 
     Why the global counts: under data parallelism (or gradient accumulation) each rank or micro-batch
     holds part of the batch. Dividing the local sum by the count over the WHOLE batch (all-reduced by
     the trainer: masked tokens for token-mean, sequences with at least one token for the seq modes)
-    makes the sum of the parts' losses equal the single-process loss, so 1 and N processes give the
-    same gradient. DDP/FSDP average gradients over ranks, so the trainer multiplies this value by the
-    world size (verl folds that in as dp_size). With None the local counts are used.
+    makes the parts' losses add up to the single-process loss. The trainer makes FSDP SUM gradients
+    across ranks (not average), so the summed gradient equals the single-process gradient with no
+    world-size factor (verl instead averages and multiplies the loss by dp_size). With None the local
+    counts are used.
     """
-    if mode not in AGGREGATION_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {list(AGGREGATION_MODES)}")
-    _check_same_shape(losses=losses_BT, mask=mask_BT)
-    if losses_BT.ndim != 2:
-        raise ValueError(f"losses must be [batch, tokens], got shape {tuple(losses_BT.shape)}")
-    for name, count in (("num_global_tokens", num_global_tokens), ("num_global_seqs", num_global_seqs)):
-        if count is not None and not count > 0:
-            raise ValueError(f"{name}={count} must be > 0: it is the all-reduced count over the batch")
+    counts = {"num_global_tokens": num_global_tokens, "num_global_seqs": num_global_seqs, "norm_length": norm_length}
+    _check_aggregation(losses_BT, mask_BT, mode=mode, counts=counts)
     mask_BT = mask_BT.bool()
     masked_losses_BT = losses_BT.masked_fill(~mask_BT, 0)
     if mode == "token-mean":
@@ -277,8 +382,25 @@ def aggregate_token_losses(
     seq_losses_B = masked_losses_BT.sum(-1)
     if mode == "seq-mean-token-mean":
         seq_losses_B = seq_losses_B / tokens_per_seq_B.clamp_min(1)
+    elif mode == "seq-mean-token-sum-norm":
+        seq_losses_B = seq_losses_B / norm_length
     if num_global_seqs is not None:
         denominator = num_global_seqs
     else:
         denominator = (tokens_per_seq_B > 0).sum().clamp_min(1)
     return seq_losses_B.sum() / denominator
+
+
+def entropy_bonus(
+    entropy_BT: torch.Tensor,  # [batch, tokens] from entropy_from_logits, with grad to get a bonus
+    mask_BT: torch.Tensor,  # [batch, tokens]
+    **aggregation,
+) -> torch.Tensor:
+    """Return the entropy aggregated like the pg loss: `aggregate_token_losses(entropy, mask, **aggregation)`.
+
+    Combine as `loss = pg_loss - entropy_coeff * entropy_bonus(entropy_BT, mask_BT, mode=..., ...)` with
+    the SAME aggregation arguments as the pg loss (verl's entropy loss uses the actor's loss_agg_mode),
+    so the coefficient means the same thing at any batch split. Detached entropy gives a metric only
+    (verl's actor/entropy is the token-mean).
+    """
+    return aggregate_token_losses(entropy_BT, mask_BT, **aggregation)

@@ -7,7 +7,7 @@ silently ignored setting. Validators check values only: they never touch storage
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -23,6 +23,15 @@ class RunConfig(_Strict):
                            "Re-running with the same id resumes the run.")
     seed: int = Field(0, description="Run seed; every sample's seed derives from (seed, iteration, prompt_id, sample_idx).")
     iterations: int = Field(1, ge=1, description="Number of generate -> score -> advantage -> update iterations.")
+    init_from: str | None = Field(None, description="Warm start (nightly runs): a previous run directory "
+                                  "(runs/nightly-2026-12-01; its last iteration's policy), one of its "
+                                  "iter_NNNN/policy directories, or a glob (runs/nightly-*: the last-named complete "
+                                  "run before this run's id; none: model.path). The first iteration starts from that "
+                                  "policy instead of model.path's weights (model.path still names the architecture "
+                                  "and tokenizer).")
+    new_files_only: bool = Field(True, description="With init_from: ingest only the data.train_files files that the "
+                                 "init_from run and the runs it warm-started from did not ingest (a file is known by "
+                                 "URI, size and ETag/mtime). false: ingest every file again.")
 
 
 class ModelConfig(_Strict):
@@ -50,7 +59,11 @@ class DataConfig(_Strict):
                                    "(local or s3://...). Both batchrl's and verl's column layouts are accepted.")
     shard_size: int = Field(256, ge=1, description="Prompts per shard of the prompts table; the unit of work and of resume.")
     max_prompt_tokens: int = Field(512, ge=1, description="Prompts longer than this (after the chat template) are "
-                                   "rejected with reason 'prompt_too_long'.")
+                                   "rejected with reason 'prompt_too_long', or truncated (see overlong_prompts).")
+    overlong_prompts: Literal["reject", "truncate_left", "truncate_right"] = Field(
+        "reject", description="What to do with a prompt over max_prompt_tokens: reject it (counted, in the rejects "
+        "table), or keep its last (truncate_left, keeps the generation prompt) / first max_prompt_tokens tokens "
+        "(counted as truncated_prompts).")
     apply_chat_template: bool = Field(True, description="Render prompts with the tokenizer's chat template "
                                       "(with the generation prompt).")
     max_prompts: int | None = Field(None, ge=1, description="Use only the first N valid prompts (smoke runs).")
@@ -79,24 +92,89 @@ class GenerateConfig(_Strict):
 
 
 class RewardTerm(_Strict):
-    reward: str = Field(..., description="Registry name (gsm8k, gsm8k_flexible, exact_match, format_hash) or "
+    reward: str = Field(..., description="Registry name (gsm8k, gsm8k_flexible, math, exact_match, format_hash, "
+                        "format_boxed, format_think, overlong_penalty, truncation_penalty; see batchrl.rewards) or "
                         "'package.module:function'.")
     weight: float = Field(1.0, description="Weight of this term in the total reward.")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="Component name, in the scores "
+                             "table's reward_names and the metric critic/rewards/<name>/mean. Default: the registry "
+                             "name, or the function name of a module:function reference. Unique within score.rewards.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the reward on "
+                                   "every call, e.g. {max_length: 1024, buffer_length: 256} for overlong_penalty. Each "
+                                   "key must be a named parameter of the function and not a row field's name.")
+
+    @property
+    def component_name(self) -> str:
+        return self.name or self.reward.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+
+
+class RewardModelConfig(_Strict):
+    path: str = Field(..., description="Reward model: a local directory or hub id of an HF "
+                      "AutoModelForSequenceClassification checkpoint with num_labels=1.")
+    tokenizer: str | None = Field(None, description="Reward model tokenizer; defaults to reward_model.path.")
+    weight: float = Field(1.0, description="Weight of the reward model's score (component 'reward_model').")
+    input_format: Literal["concat", "chat"] = Field("concat", description="concat: score prompt_text + response; "
+                                                    "chat: the reward model's chat template over the prompt "
+                                                    "messages and the response as the assistant turn.")
+    batch_size: int = Field(8, ge=1, description="Texts per reward-model forward pass.")
+    max_length: int | None = Field(None, ge=1, description="Longer texts keep their last max_length tokens "
+                                   "(counted); default the model's max_position_embeddings.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Reward model weights dtype.")
+    num_actors: int = Field(1, ge=1, description="Score actors (each loads the reward model once) in the actor pool.")
+    cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per score actor.")
+    gpus_per_actor: float = Field(0.0, ge=0, description="GPUs reserved per score actor (> 0 runs the model on CUDA).")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the reward model checkpoint.")
 
 
 class ScoreConfig(_Strict):
     rewards: list[RewardTerm] = Field(default_factory=list, description="Weighted reward terms applied to every "
-                                      "sample. Empty = the default reward of each row's data_source.")
+                                      "sample; each is a component of the reward. Empty = the default reward of each "
+                                      "row's data_source, or, when reward_model is set, the reward model alone.")
     reward_by_data_source: dict[str, str] = Field(default_factory=dict, description="data_source -> reward name or "
                                                   "module:function, overriding the built-in defaults.")
     failure_reward: float = Field(0.0, description="Reward given to a sample whose reward function failed "
-                                  "(raised, returned None or NaN); the failure is recorded and counted.")
+                                  "(raised, returned None or NaN, timed out); the failure is recorded and counted.")
+    timeout_s: float | None = Field(10.0, gt=0, description="Deadline of each rule-reward call, in seconds. Rule "
+                                    "rewards then run in a child process of each score actor, which is killed and "
+                                    "restarted when a call overruns (that sample fails with '<term> timed out'). "
+                                    "null = call rewards in the actor itself, without a deadline (trusted rewards).")
+    reward_model: RewardModelConfig | None = Field(None, description="A sequence-classification reward model whose "
+                                                   "score is one more component, named 'reward_model'.")
+
+    @model_validator(mode="after")
+    def _component_names_are_unique(self) -> ScoreConfig:
+        names = [t.component_name for t in self.rewards] + (["reward_model"] if self.reward_model else [])
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"score.rewards: component names {duplicates} are not unique; give terms a distinct "
+                             "`name:` ('reward_model' is the reward model's)")
+        return self
 
 
 class AdvantageConfig(_Strict):
-    estimator: Literal["grpo", "drgrpo"] = Field("grpo", description="grpo: (r - mean)/(std + eps) within the group; "
-                                                 "drgrpo: r - mean (no std normalisation).")
-    epsilon: float = Field(1e-6, gt=0, description="Added to the group std (verl's default 1e-6).")
+    estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "grpo_passk"] = Field(
+        "grpo", description="grpo: (r - mean)/(std + eps) within the group; drgrpo: r - mean; rloo: leave-one-out "
+        "baseline; reinforce_pp_baseline: r - group mean, whitened over the whole batch; grpo_passk: the analytical "
+        "pass@k advantage for binary rewards (Chen et al. 2025), set passk_k.")
+    epsilon: float = Field(1e-6, gt=0, description="Added to the group std (grpo, grpo_passk; verl's default 1e-6).")
+    passk_k: int | None = Field(None, ge=1, description="k of grpo_passk (<= num_samples_per_prompt).")
+    filter_groups: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal "
+                                "(no learning signal); the number dropped is counted (critic/groups_filtered).")
+    whiten: bool = Field(False, description="Whiten the advantages over the whole batch (all shards), each sample "
+                         "weighted by its response tokens as verl's masked_whiten.")
+    whiten_epsilon: float = Field(1e-8, gt=0, description="Added to the batch variance when whitening "
+                                  "(whiten: true, and reinforce_pp_baseline).")
+
+    @model_validator(mode="after")
+    def _check_options(self) -> "AdvantageConfig":
+        if self.estimator == "grpo_passk" and self.passk_k is None:
+            raise ValueError("advantage.estimator=grpo_passk needs advantage.passk_k (e.g. 4)")
+        if self.estimator != "grpo_passk" and self.passk_k is not None:
+            raise ValueError(f"advantage.passk_k is only used by estimator grpo_passk, not {self.estimator}; remove it")
+        if self.estimator == "reinforce_pp_baseline" and self.whiten:
+            raise ValueError("advantage.estimator=reinforce_pp_baseline already whitens the batch; "
+                             "remove advantage.whiten")
+        return self
 
 
 class UpdateConfig(_Strict):
@@ -107,19 +185,96 @@ class UpdateConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip.")
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_ratio_low.")
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: ratio <= 1 + clip_ratio_high (clip-higher when larger).")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="How token losses are aggregated into the batch loss.")
-    micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward per process (gradient accumulation).")
+    dual_clip_ratio: float | None = Field(None, gt=1, description="Dual-clip PPO: cap negative-advantage token losses at "
+                                          "-A * dual_clip_ratio (verl uses 3.0); None = off. ppo_clip only.")
+    policy_loss: Literal["ppo_clip", "gspo"] = Field("ppo_clip", description="ppo_clip: token-level clipped ratio; gspo: "
+                                                     "one clipped ratio per sequence (GSPO; use clip ratios ~3e-4/4e-4).")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses are aggregated into the mini-batch loss (seq-mean-token-sum-norm: "
+        "Dr.GRPO's token sum / (sequences x loss_agg_norm_length)).")
+    loss_agg_norm_length: int | None = Field(None, ge=1, description="The constant divisor of seq-mean-token-sum-norm; "
+                                             "default generate.max_new_tokens.")
+    ppo_mini_batch_size: int | None = Field(None, ge=1, description="Prompts (groups, all their samples) per optimizer "
+                                            "step, shuffled each epoch (verl's ppo_mini_batch_size); None = the whole "
+                                            "advantages table is one mini-batch.")
+    micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward per process (gradient accumulation); "
+                                  "used when max_tokens_per_micro_batch is None.")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="Dynamic batch size: micro-batches of "
+                                                   "length-sorted samples holding at most this many PADDED tokens "
+                                                   "(rows x longest prompt+response) per process.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over the advantages table per iteration.")
     entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term (verl's use_kl_loss "
+                                "with kl_loss_coef); the reference is the run's initial policy, model.path. 0 = off.")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse", "k1+", "k3+", "low_var_kl+"] = Field(
+        "low_var_kl", description="Per-token KL estimator of the KL loss (batchrl.algorithms.kl).")
+    rollout_is_cap: float | None = Field(None, ge=1, description="Truncated importance sampling: weight token losses by "
+                                         "min(p_trainer_old / p_rollout, cap) to correct the engine/trainer mismatch "
+                                         "(2.0 is usual); needs old_logprobs=recompute. None = off.")
     old_logprobs: Literal["recompute", "rollout"] = Field("recompute", description="Old-policy logprobs: recompute with "
                                                           "the trainer, or use the rollout engine's logprobs.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning rate after warmup: constant, or "
+                                                       "cosine decay to min_lr_ratio * lr at the last step.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup (counted across iterations).")
+    lr_warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of the total steps, used when "
+                                   "lr_warmup_steps is 0.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine schedule floor, as a fraction of lr.")
+    lr_total_steps: int | None = Field(None, ge=1, description="Optimizer steps the schedule spans; default "
+                                       "run.iterations x the steps of the current iteration.")
+    gradient_checkpointing: bool = Field(False, description="Recompute decoder-layer activations in backward "
+                                         "(less memory, ~30% more compute).")
+    cpu_offload: bool = Field(False, description="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in "
+                              "host memory (GPU only; an error on CPU/gloo).")
+    keep_last_k_optimizer_states: int | None = Field(1, ge=0, description="Optimizer states (for exact resume across "
+                                                     "iterations) kept under iter_*/policy/_trainer_state besides the "
+                                                     "newest; older ones are deleted. 0 = never save them (Adam restarts "
+                                                     "each iteration); None = keep all.")
     timeout_s: float | None = Field(None, gt=0, description="Abort the update if it runs longer than this.")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "UpdateConfig":
+        if self.rollout_is_cap is not None and self.old_logprobs != "recompute":
+            raise ValueError("update.rollout_is_cap needs update.old_logprobs=recompute (with rollout logprobs as the "
+                             "old policy every weight is 1); set rollout_is_cap: null or old_logprobs: recompute")
+        if self.dual_clip_ratio is not None and self.policy_loss != "ppo_clip":
+            raise ValueError("update.dual_clip_ratio applies to policy_loss=ppo_clip only; set it to null")
+        if self.lr_warmup_steps > 0 and self.lr_warmup_ratio > 0:
+            raise ValueError("set one of update.lr_warmup_steps and update.lr_warmup_ratio, not both")
+        if self.cpu_offload and self.backend == "gloo":
+            raise ValueError("update.cpu_offload needs GPUs (backend nccl); on CPU the parameters already live in host "
+                             "memory. Set cpu_offload: false")
+        return self
 
 
 class RayConfig(_Strict):
     address: str | None = Field(None, description="Ray cluster address; default: $RAY_ADDRESS, else an embedded local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="CPUs for the embedded local Ray (default: all).")
+
+
+class TrackingConfig(_Strict):
+    backends: list[Literal["jsonl", "tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"], description="Metric loggers fed once per iteration. "
+        "jsonl: <run>/metrics.jsonl (always written: the report reads it). tensorboard: event files under "
+        "<run>/tensorboard/ (needs batchrl[tracking]; when left at this default and the package is missing, skipped "
+        "with a warning). mlflow (needs mlflow or mlflow-skinny) and wandb (needs wandb): a missing package is a "
+        "configuration error.")
+    experiment: str | None = Field(None, description="MLflow experiment and W&B project name; default: the pipeline "
+                                   "name. The tracker run is named after the run id, so a resumed run continues it.")
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI (http://host:5000, "
+                                            "sqlite:///mlflow.db, file:///path); default: $MLFLOW_TRACKING_URI, else a "
+                                            "file store under <run>/mlruns (local run directories only).")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B mode. offline: files under "
+                                                     "<run>/wandb/ (uploaded there at the end for s3:// runs), sent "
+                                                     "later with `wandb sync`; online needs WANDB_API_KEY.")
+    progress_bars: bool = Field(True, description="Rich progress bars for long stages (generation, scoring, "
+                                "training); shown only when stderr is a terminal.")
+
+    @model_validator(mode="after")
+    def _check_backends(self) -> "TrackingConfig":
+        duplicates = sorted({b for b in self.backends if self.backends.count(b) > 1})
+        if duplicates:
+            raise ValueError(f"tracking.backends lists {duplicates} more than once; list each backend once")
+        return self
 
 
 class PipelineConfig(_Strict):
@@ -135,11 +290,16 @@ class PipelineConfig(_Strict):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage estimation.")
     update: UpdateConfig = Field(default_factory=UpdateConfig, description="Policy update (FSDP2).")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray (embedded or cluster).")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metric loggers (TensorBoard, "
+                                     "MLflow, W&B) and progress bars.")
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "PipelineConfig":
         n = self.generate.num_samples_per_prompt
-        if self.advantage.estimator in ("grpo", "drgrpo") and n < 2:
+        if self.advantage.passk_k is not None and self.advantage.passk_k > n:
+            raise ValueError(f"advantage.passk_k={self.advantage.passk_k} must be <= "
+                             f"generate.num_samples_per_prompt={n}")
+        if self.advantage.estimator != "reinforce_pp_baseline" and n < 2:
             raise ValueError(f"generate.num_samples_per_prompt={n} must be >= 2 for group-relative advantages "
                              f"(advantage.estimator={self.advantage.estimator}); set it to 2 or more")
         if self.generate.top_k == 0 or self.generate.top_k < -1:

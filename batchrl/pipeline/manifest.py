@@ -1,8 +1,12 @@
 """Stage manifests: ``_MANIFEST.json`` written LAST in a stage's output directory.
 
 Its existence means the stage completed; readers trust only the parts it lists. It records the stage,
-its fingerprint (hash of the stage's config and its upstream fingerprints), every part with row count
-and sha256, the output schema, timings, counters (rejects, failures) and the code version.
+its fingerprint (hash of the stage's config and its upstream fingerprints), every part with row count,
+size and sha256, the output schema, timings, counters (rejects, failures), the code version and, for
+ingest, the input files read (``sources``: the watermark of incremental runs).
+
+``damaged_parts`` checks a committed table against its manifest: every part present with its recorded
+size (one listing; catches deleted and truncated parts), or, with ``checksums``, its recorded sha256.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from batchrl import __version__
-from batchrl.storage import join, resolve, write_bytes_atomic
+from batchrl.storage import join, resolve, sha256_of, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +46,15 @@ class Manifest:
     stats: dict[str, float] = field(default_factory=dict)
     extra_parts: dict[str, list[PartInfo]] = field(default_factory=dict)  # e.g. {"rejects": [...]}
     code_version: str = __version__
+    sources: list[dict] = field(default_factory=list)  # ingest: input files read, {uri, size, version}
 
     @property
     def num_rows(self) -> int:
         return sum(p.rows for p in self.parts)
+
+    @property
+    def all_parts(self) -> list[PartInfo]:
+        return list(self.parts) + [p for extra in self.extra_parts.values() for p in extra]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -79,6 +88,25 @@ def read_manifest(table_dir: str) -> Manifest | None:
 
 def write_manifest(table_dir: str, manifest: Manifest) -> None:
     write_bytes_atomic(manifest_uri(table_dir), manifest.to_json().encode())
+
+
+def damaged_parts(table_dir: str, manifest: Manifest, *, checksums: bool = False) -> list[str]:
+    """Names of the manifest's parts that are missing, have another size or (checksums) another sha256."""
+    fs, path = resolve(table_dir)
+    root = path.rstrip("/")
+    try:
+        fs.invalidate_cache(root)
+        sizes = {name[len(root) + 1:]: int(info.get("size") or 0)
+                 for name, info in fs.find(root, detail=True).items()}
+    except FileNotFoundError:
+        sizes = {}
+    damaged = []
+    for part in manifest.all_parts:
+        if sizes.get(part.name) != part.num_bytes:
+            damaged.append(part.name)
+        elif checksums and sha256_of(join(table_dir, part.name)) != part.sha256:
+            damaged.append(part.name)
+    return damaged
 
 
 def fingerprint(stage_config: object, *upstream: str) -> str:

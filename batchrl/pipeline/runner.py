@@ -3,7 +3,16 @@
 Fingerprints are computed from the config alone (each stage's config + its upstream fingerprints), so
 ``batchrl plan`` can say, without running anything, which stages are complete (a manifest with the same
 fingerprint), stale (a manifest from a different config: redone, and so is everything after it),
-partial (some shards written) or pending.
+partial (some shards written) or pending. Two more states come from storage and the command line:
+
+- damaged: a manifest with the right fingerprint whose parts are missing or have another size (or, with
+  ``--verify``, another sha256). Only the damaged parts are redone; if the redone parts differ from the
+  recorded ones (a non-deterministic engine or update), every later stage is redone too, so no table is
+  ever derived from data that no longer exists. The old manifest stays until the new one replaces it, so
+  a crash during the repair leaves the stage damaged, not silently done.
+- forced: ``--from-stage S --iteration K`` redoes stage S of iteration K and every stage after it (later
+  iterations included), keeping everything before it. Forced outputs are deleted before anything runs,
+  last stage first, so an interrupted forced run resumes as an ordinary one.
 """
 
 from __future__ import annotations
@@ -12,15 +21,24 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import yaml
 
-from batchrl.config import PipelineConfig
+from batchrl.config import ConfigError, PipelineConfig
+from batchrl.pipeline.lineage import (
+    Lineage,
+    files_to_ingest,
+    fresh_lineage,
+    resolve_lineage,
+    seen_fingerprint,
+    write_lineage,
+)
 from batchrl.pipeline.lock import RunLock
-from batchrl.pipeline.manifest import Manifest, fingerprint, read_manifest, write_manifest
+from batchrl.pipeline.manifest import MANIFEST_NAME, Manifest, damaged_parts, fingerprint, read_manifest, write_manifest
 from batchrl.pipeline.stage import STAGES, StageContext, stage_order
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
 
@@ -37,8 +55,13 @@ class PlannedStage:
     fingerprint: str
     input_dirs: dict[str, str]
     policy_in: str
-    status: str = "pending"  # done | stale | partial | pending
-    manifest: Manifest | None = None
+    sharded: bool = False  # output part k is made from input part k alone (resumes shard by shard)
+    status: str = "pending"  # done | damaged | stale | partial | pending | forced
+    manifest: Manifest | None = None  # the committed manifest (done, damaged)
+    damaged: list[str] = field(default_factory=list)  # damaged: the parts to redo
+    parts_written: int = 0  # partial: parts already under their final name
+    parts_total: int | None = None  # partial: parts the stage will write (its input's), when known
+    started_at: float | None = None  # partial: when the interrupted attempt started
 
     @property
     def label(self) -> str:
@@ -51,92 +74,172 @@ class RunSummary:
     ran: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     iterations: list[dict] = field(default_factory=list)
+    no_new_files: bool = False  # incremental run that found no input file it had not seen: nothing ran
 
 
-def build_plan(cfg: PipelineConfig, *, check_storage: bool = True) -> list[PlannedStage]:
+def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Lineage | None = None,
+               from_stage: str | None = None, from_iteration: int | None = None,
+               verify_checksums: bool = False) -> list[PlannedStage]:
     """Every stage of the run in order, with fingerprints and (when check_storage) completion status."""
+    if lineage is None:
+        lineage = resolve_lineage(cfg) if check_storage else fresh_lineage(cfg)
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     stages = {name: STAGES[name]() for name in stage_order()}
     table_dirs: dict[str, str] = {}
     table_fps: dict[str, str] = {}
-    policy_dir, policy_fp = cfg.model.path, fingerprint({"initial_policy": cfg.model.path})
+    policy_dir, policy_fp = lineage.initial_policy, lineage.initial_policy_fingerprint
     plan: list[PlannedStage] = []
-    iterations: list[int | None] = [None] + list(range(cfg.run.iterations))
-    for iteration in iterations:
+    for iteration in [None] + list(range(cfg.run.iterations)):
         for name, stage in stages.items():
             if stage.per_iteration != (iteration is not None):
                 continue
             upstream = [policy_fp if t == "policy" else table_fps[t] for t in stage.inputs]
             config = dict(stage.fingerprint_config(cfg), iteration=iteration)
+            if name == "ingest" and lineage.skips_seen_files(cfg):
+                config["skip_seen_files"] = seen_fingerprint(lineage)
             step = PlannedStage(name=name, iteration=iteration, output_dir=layout.table_dir(stage.table, iteration),
                                 fingerprint=fingerprint(config, *upstream),
                                 input_dirs={t: table_dirs[t] for t in stage.inputs if t != "policy"},
-                                policy_in=policy_dir)
+                                policy_in=policy_dir, sharded=is_sharded(stage))
             table_dirs[stage.table], table_fps[stage.table] = step.output_dir, step.fingerprint
             plan.append(step)
         if iteration is not None:
             policy_dir, policy_fp = table_dirs["policy"], table_fps["policy"]
     if check_storage:
+        by_dir = {step.output_dir: step for step in plan}
         for step in plan:
-            _set_status(step)
+            _set_status(step, checksums=verify_checksums)
+            upstream = by_dir.get(next(iter(step.input_dirs.values()), ""))
+            if upstream is not None and upstream.manifest is not None and step.sharded:
+                step.parts_total = len(upstream.manifest.parts)
+    if from_stage is not None:
+        _force_from(plan, from_stage, from_iteration)
     return plan
 
 
-def _set_status(step: PlannedStage) -> None:
+def is_sharded(stage) -> bool:
+    """Stages whose output part k is made from input part k alone (generate, score, advantage)."""
+    return stage.schema is not None and any(t != "policy" for t in stage.inputs)
+
+
+def _set_status(step: PlannedStage, *, checksums: bool) -> None:
     manifest = read_manifest(step.output_dir)
     if manifest is not None:
-        step.status = "done" if manifest.fingerprint == step.fingerprint else "stale"
-        step.manifest = manifest if step.status == "done" else None
+        if manifest.fingerprint != step.fingerprint:
+            step.status = "stale"
+            return
+        step.manifest = manifest
+        step.damaged = damaged_parts(step.output_dir, manifest, checksums=checksums)
+        step.status = "damaged" if step.damaged else "done"
         return
-    fs, path = resolve(step.output_dir)
-    step.status = "partial" if fs.exists(path) and any(
-        not p.rsplit("/", 1)[-1].startswith((".", "_")) for p in fs.ls(path, detail=False)) else "pending"
+    names = _entries(step.output_dir)
+    started = _read_started(step.output_dir)
+    if started and started.get("fingerprint") != step.fingerprint:
+        step.status = "stale"  # partial output of another config: cleared when the stage runs
+        return
+    step.parts_written = sum(not n.startswith((".", "_")) for n in names)
+    step.started_at = started.get("started_at")
+    step.status = "partial" if step.parts_written else "pending"
+
+
+def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int | None) -> None:
+    """--from-stage / --iteration name a stage of this run (ConfigError otherwise)."""
+    names = stage_order()
+    if from_stage not in names:
+        raise ConfigError(f"--from-stage {from_stage!r} is not a stage; use one of {names}")
+    if not STAGES[from_stage].per_iteration and from_iteration is not None:
+        raise ConfigError(f"--from-stage {from_stage} runs once per run, not per iteration: drop --iteration")
+    if from_iteration is not None and not 0 <= from_iteration < cfg.run.iterations:
+        raise ConfigError(f"--iteration {from_iteration} is outside this run's iterations 0..{cfg.run.iterations - 1}")
+
+
+def _force_from(plan: list[PlannedStage], from_stage: str, from_iteration: int | None) -> None:
+    iteration = None if not STAGES[from_stage].per_iteration else (from_iteration or 0)
+    start = next(i for i, s in enumerate(plan) if (s.name, s.iteration) == (from_stage, iteration))
+    for step in plan[start:]:
+        if step.status != "pending":
+            step.status, step.manifest, step.damaged = "forced", None, []
+
+
+def _entries(table_dir: str) -> list[str]:
+    """Base names directly under ``table_dir`` ([] when it does not exist)."""
+    fs, path = resolve(table_dir)
+    try:
+        fs.invalidate_cache(path)
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _read_started(table_dir: str) -> dict:
+    fs, path = resolve(join(table_dir, STARTED_MARKER))
+    try:
+        return json.loads(fs.cat_file(path).decode())
+    except (FileNotFoundError, ValueError):
+        return {}
 
 
 class Runner:
     """Runs a plan; ``run()`` reads like the pipeline diagram."""
 
-    def __init__(self, cfg: PipelineConfig):
+    def __init__(self, cfg: PipelineConfig, *, from_stage: str | None = None, from_iteration: int | None = None,
+                 verify_checksums: bool = False):
         self.cfg = cfg
         self.layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
-        self.plan = {(s.name, s.iteration): s for s in build_plan(cfg)}
+        if from_stage is not None:
+            check_from_stage(cfg, from_stage, from_iteration)
+        self.lineage = resolve_lineage(cfg)
+        self.steps = build_plan(cfg, lineage=self.lineage, from_stage=from_stage, from_iteration=from_iteration,
+                                verify_checksums=verify_checksums)
+        self.plan = {(s.name, s.iteration): s for s in self.steps}
         self.summary = RunSummary(run_dir=self.layout.run_dir)
 
     def run(self) -> RunSummary:
         self._ensure_toy_assets()
         self.check_inputs()  # config errors surface here, before the run directory is touched
-        with RunLock(self.layout.lock), _ray_session(self.cfg):
-            self._write_run_yaml()
-            prompts = self.stage("ingest")
-            self.preflight(prompts)
-            for iteration in range(self.cfg.run.iterations):
-                self.stage("generate", iteration)
-                self.stage("score", iteration)
-                self.stage("advantage", iteration)
-                self.stage("update", iteration)
-                self.record_iteration(iteration)
+        with RunLock(self.layout.lock):
+            self._write_run_yaml()  # first: `batchrl status` reads it, even of a run killed while starting
+            with _ray_session(self.cfg):
+                self._clear_forced()
+                prompts = self.stage("ingest")
+                if prompts is None:
+                    return self.summary  # an incremental run with no new input file: nothing to train on
+                self.preflight(prompts)
+                for iteration in range(self.cfg.run.iterations):
+                    self.stage("generate", iteration)
+                    self.stage("score", iteration)
+                    self.stage("advantage", iteration)
+                    self.stage("update", iteration)
+                    self.record_iteration(iteration)
         return self.summary
 
-    def stage(self, name: str, iteration: int | None = None) -> Manifest:
+    def stage(self, name: str, iteration: int | None = None) -> Manifest | None:
         step = self.plan[(name, iteration)]
         if step.status == "done":
             logger.info("%s: complete (fingerprint %s), skipped", step.label, step.fingerprint)
             self.summary.skipped.append(step.label)
             return step.manifest
         stage = STAGES[name]()
-        self._prepare_output_dir(step)
+        cfg, sources = (self._ingest_config() if name == "ingest" else (self.cfg, []))
+        if cfg is None:
+            return None
+        damaged = step.manifest if step.status == "damaged" else None
+        self._prepare_output_dir(step, stage)
         inputs = {t: self.plan[(_producer(t), _table_iteration(t, iteration))].manifest for t in stage.inputs if t != "policy"}
-        ctx = StageContext(cfg=self.cfg, layout=self.layout, iteration=iteration, output_dir=step.output_dir,
+        ctx = StageContext(cfg=cfg, layout=self.layout, iteration=iteration, output_dir=step.output_dir,
                            fingerprint=step.fingerprint, inputs=inputs, input_dirs=step.input_dirs,
                            policy_in=step.policy_in)
-        logger.info("%s: running", step.label)
+        logger.info("%s: running%s", step.label, f" (redoing damaged {damaged_names(step)})" if damaged else "")
         started = time.time()
         output = stage.run(ctx)
         manifest = Manifest(stage=name, table=stage.table, iteration=iteration, fingerprint=step.fingerprint,
                             parts=output.parts, schema=stage.schema or "", started_at=started, finished_at=time.time(),
-                            counts=output.counts, stats=output.stats, extra_parts=output.extra_parts)
+                            counts=output.counts, stats=output.stats, extra_parts=output.extra_parts, sources=sources)
+        if damaged is not None and _digests(damaged) != _digests(manifest):
+            logger.warning("%s: the redone parts differ from the damaged ones; every later stage is redone", step.label)
+            self._invalidate_after(step)
         write_manifest(step.output_dir, manifest)
-        step.status, step.manifest = "done", manifest
+        step.status, step.manifest, step.damaged = "done", manifest, []
         rows = f", {manifest.num_rows} rows" if stage.schema else ""
         logger.info("%s: done in %.1f s%s", step.label, manifest.finished_at - started, rows)
         self.summary.ran.append(step.label)
@@ -165,6 +268,39 @@ class Runner:
         lines = "".join(json.dumps(m) + "\n" for m in self.summary.iterations)
         write_bytes_atomic(self.layout.metrics_jsonl, lines.encode())  # rewritten whole: resume never duplicates
 
+    def _ingest_config(self) -> tuple[PipelineConfig | None, list[dict]]:
+        """The config ingest runs with: data.train_files narrowed to the files to read (incremental runs
+        skip those earlier runs ingested); (None, []) when there is none. Records the lineage."""
+        files, skipped = files_to_ingest(self.cfg, self.lineage)
+        if self.lineage.init_from is not None:
+            self.lineage.no_new_files = not files
+            write_lineage(self.layout.run_dir, self.lineage)
+        if skipped:
+            logger.info("ingest: %d input file(s) already ingested by %s and its predecessors skipped, %d new",
+                        skipped, self.lineage.init_from, len(files))
+        if not files:
+            logger.warning("no input file that %s has not ingested: nothing to train on; this run is complete and "
+                           "the next one can warm-start from it", self.lineage.init_from)
+            self.summary.no_new_files = True
+            return None, []
+        data = self.cfg.data.model_copy(update={"train_files": [f["uri"] for f in files]})
+        return self.cfg.model_copy(update={"data": data}), files
+
+    def _clear_forced(self) -> None:
+        """--from-stage: deletes the forced outputs, last first (an interruption leaves a consistent run)."""
+        for step in reversed(self.steps):
+            if step.status == "forced":
+                logger.info("%s: forced by --from-stage, its output is cleared", step.label)
+                _remove(step.output_dir)
+                step.status = "pending"
+
+    def _invalidate_after(self, changed: PlannedStage) -> None:
+        """Deletes the outputs of every stage after ``changed`` (last first): they were made from old data."""
+        for step in reversed(self.steps[self.steps.index(changed) + 1:]):
+            if step.status != "pending":
+                _remove(step.output_dir)
+                step.status, step.manifest, step.damaged = "pending", None, []
+
     def _write_run_yaml(self) -> None:
         text = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
         write_bytes_atomic(self.layout.run_yaml, text.encode())
@@ -177,19 +313,51 @@ class Runner:
             ensure_toy_assets(t.model_dir, t.data_dir, num_prompts=t.num_prompts, num_shards=t.num_shards,
                               seed=t.seed, fmt=t.format)
 
-    def _prepare_output_dir(self, step: PlannedStage) -> None:
-        """Clears output left by a different config; keeps shards written under the same fingerprint."""
+    def _prepare_output_dir(self, step: PlannedStage, stage) -> None:
+        """Keeps exactly the output that is still good, then marks the directory as this config's.
+
+        Output of a different config is cleared. A sharded stage keeps its committed parts except damaged
+        ones, and loses stray files (unknown names, temporary files of killed writers); a stage that writes
+        all its output at once (ingest, update) starts from an empty directory. A damaged stage's manifest
+        is kept until the redo replaces it.
+        """
         fs, path = resolve(step.output_dir)
-        marker = join(step.output_dir, STARTED_MARKER)
-        if fs.exists(path):
-            try:
-                previous = json.loads(fs.cat_file(resolve(marker)[1]).decode())["fingerprint"]
-            except (FileNotFoundError, ValueError, KeyError):
-                previous = None
-            if previous != step.fingerprint:
-                logger.info("%s: clearing output of a different config (%s)", step.label, previous)
-                fs.rm(path, recursive=True)
-        write_bytes_atomic(marker, json.dumps({"fingerprint": step.fingerprint, "pid": os.getpid()}).encode())
+        names = _entries(step.output_dir)
+        if names and _read_started(step.output_dir).get("fingerprint") != step.fingerprint:
+            logger.info("%s: clearing output of a different config", step.label)
+            _remove(step.output_dir)
+            names = []
+        keep = {MANIFEST_NAME, STARTED_MARKER}
+        if is_sharded(stage):
+            upstream = next(t for t in stage.inputs if t != "policy")
+            expected = self.plan[(_producer(upstream), _table_iteration(upstream, step.iteration))].manifest.parts
+            keep |= {p.name for p in expected} - set(step.damaged)
+        strays = [n for n in names if n not in keep]
+        if strays:
+            logger.info("%s: removing %d file(s) to redo or unknown: %s", step.label, len(strays),
+                        ", ".join(sorted(strays)[:5]))
+            for name in strays:
+                fs.rm(f"{path.rstrip('/')}/{name}", recursive=True)
+        write_bytes_atomic(join(step.output_dir, STARTED_MARKER), json.dumps(
+            {"fingerprint": step.fingerprint, "pid": os.getpid(), "host": socket.gethostname(),
+             "started_at": time.time()}).encode())
+
+
+def damaged_names(step: PlannedStage) -> str:
+    return ", ".join(step.damaged[:5]) + (f" and {len(step.damaged) - 5} more" if len(step.damaged) > 5 else "")
+
+
+def _digests(manifest: Manifest) -> dict[str, str]:
+    return {p.name: p.sha256 for p in manifest.all_parts}
+
+
+def _remove(uri: str) -> None:
+    fs, path = resolve(uri)
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(path)
 
 
 _PRODUCERS = {"prompts": "ingest", "rollouts": "generate", "scores": "score", "advantages": "advantage",

@@ -4,12 +4,22 @@ Each shard of the input table (one committed part) becomes one output part with 
 resumed stage redoes exactly the shards whose parts are missing. Ray Data schedules the shards over a pool
 of actors; each actor builds its expensive state once (a vLLM engine, reward functions) and reuses it for
 every shard it receives. Actors read and write their parts themselves, so no row crosses the driver.
+
+Faults: an actor that dies mid-shard (killed, OOM, lost node) is restarted by Ray and its shard retried,
+a bounded number of times (``ACTOR_MAX_RESTARTS``, ``SHARD_MAX_RETRIES``; Ray Data's default is to retry
+forever, which turns a shard that always crashes its worker into a hung run). A retried shard rewrites
+the same part name atomically, so a retry never duplicates rows. A worker checks the sha256 of the input
+part it reads against the upstream manifest, so a part corrupted after it was committed is an error
+naming the file, not silently different output.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,9 +28,13 @@ import pyarrow.parquet as pq
 
 from batchrl.pipeline.manifest import Manifest, PartInfo
 from batchrl.pipeline.schemas import conform
+from batchrl.pipeline.stage import DataError
 from batchrl.storage import join, read_parquet, resolve, sha256_of, write_parquet_atomic
 
 logger = logging.getLogger(__name__)
+
+ACTOR_MAX_RESTARTS = 3  # restarts of one pool actor that died (process killed, OOM)
+SHARD_MAX_RETRIES = 3  # retries of a shard whose actor died while processing it
 
 
 @dataclass(frozen=True)
@@ -40,8 +54,9 @@ class ShardWorker:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         results: dict[str, list] = {"name": [], "rows": [], "sha256": [], "num_bytes": [], "counts_json": []}
-        for input_uri, output_uri, name in zip(batch["input_uri"], batch["output_uri"], batch["name"]):
-            table, counts = self.process(read_parquet(str(input_uri)))
+        expected = batch.get("input_sha256", [None] * len(batch["name"]))
+        for input_uri, output_uri, name, sha256 in zip(batch["input_uri"], batch["output_uri"], batch["name"], expected):
+            table, counts = self.process(read_verified_parquet(str(input_uri), sha256=sha256))
             table = conform(table, self.schema)
             num_bytes, digest = write_parquet_atomic(table, str(output_uri))
             results["name"].append(str(name))
@@ -50,6 +65,21 @@ class ShardWorker:
             results["num_bytes"].append(num_bytes)
             results["counts_json"].append(json.dumps(counts))
         return results
+
+
+def read_verified_parquet(uri: str, *, sha256: str | None) -> pa.Table:
+    """Reads a committed part; with ``sha256`` (from its manifest), first checks the bytes match it."""
+    if not sha256:
+        return read_parquet(uri)
+    fs, path = resolve(uri)
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        raise DataError(f"{uri} is listed in its manifest but missing: run again to redo it") from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise DataError(f"{uri} does not match the sha256 in its manifest (changed after it was written): run "
+                        f"again with --verify to redo it and everything made from it")
+    return pq.read_table(io.BytesIO(data))
 
 
 def committed_part(uri: str) -> PartInfo | None:
@@ -64,6 +94,27 @@ def committed_part(uri: str) -> PartInfo | None:
         logger.warning("part %s is unreadable (%s); redoing its shard", uri, err)
         return None
     return PartInfo(name=path.rsplit("/", 1)[-1], rows=rows, sha256=sha256_of(uri), num_bytes=fs.size(path))
+
+
+def pending_shards(
+    *, input_dir: str, input_manifest: Manifest, output_dir: str, summarize: Callable[[pa.Table], dict[str, float]]
+) -> tuple[dict[str, PartInfo], dict[str, float], list[dict[str, str]]]:
+    """Splits a stage's shards into those already written (resume: parts and their counts) and jobs to run."""
+    parts: dict[str, PartInfo] = {}
+    counts: dict[str, float] = {}
+    jobs = []
+    for part in input_manifest.parts:
+        out_uri = join(output_dir, part.name)
+        done = committed_part(out_uri)
+        if done is not None:
+            parts[part.name] = done
+            add_counts(counts, summarize(read_parquet(out_uri)))
+        else:
+            jobs.append({"input_uri": join(input_dir, part.name), "output_uri": out_uri, "name": part.name,
+                         "input_sha256": part.sha256})
+    if parts:
+        logger.info("resuming: %d of %d shards already written", len(parts), len(input_manifest.parts))
+    return parts, counts, jobs
 
 
 def run_sharded(
@@ -81,38 +132,32 @@ def run_sharded(
     """Runs ``worker_cls`` over every input part lacking an output part; returns parts and summed counts."""
     import ray.data
 
-    parts: dict[str, PartInfo] = {}
-    counts: dict[str, float] = {}
-    jobs = []
-    for part in input_manifest.parts:
-        out_uri = join(output_dir, part.name)
-        done = committed_part(out_uri)
-        if done is not None:
-            parts[part.name] = done
-            _add(counts, summarize(read_parquet(out_uri)))
-        else:
-            jobs.append({"input_uri": join(input_dir, part.name), "output_uri": out_uri, "name": part.name})
-    if parts:
-        logger.info("resuming: %d of %d shards already written", len(parts), len(input_manifest.parts))
+    parts, counts, jobs = pending_shards(input_dir=input_dir, input_manifest=input_manifest, output_dir=output_dir,
+                                         summarize=summarize)
     if jobs:
         dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))
-        results = dataset.map_batches(
-            worker_cls,
-            fn_constructor_kwargs=worker_kwargs,
-            batch_size=1,
-            compute=ray.data.ActorPoolStrategy(size=max(1, min(concurrency, len(jobs)))),
-            num_cpus=num_cpus,
-            num_gpus=num_gpus or None,
-        ).take_all()
+        with warnings.catch_warnings():
+            # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            results = dataset.map_batches(
+                worker_cls,
+                fn_constructor_kwargs=worker_kwargs,
+                batch_size=1,
+                compute=ray.data.ActorPoolStrategy(size=max(1, min(concurrency, len(jobs)))),
+                num_cpus=num_cpus,
+                num_gpus=num_gpus or None,
+                max_restarts=ACTOR_MAX_RESTARTS,
+                max_task_retries=SHARD_MAX_RETRIES,
+            ).take_all()
         for row in results:
             parts[row["name"]] = PartInfo(name=row["name"], rows=int(row["rows"]), sha256=row["sha256"],
                                           num_bytes=int(row["num_bytes"]))
-            _add(counts, json.loads(row["counts_json"]))
+            add_counts(counts, json.loads(row["counts_json"]))
     ordered = [parts[p.name] for p in input_manifest.parts]
     return ordered, counts
 
 
-def _add(total: dict[str, float], more: dict[str, float]) -> None:
+def add_counts(total: dict[str, float], more: dict[str, float]) -> None:
     """Combines per-shard counters: keys ending in _max / _min take the max / min, all others add up."""
     for key, value in more.items():
         if key not in total:

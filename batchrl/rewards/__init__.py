@@ -7,6 +7,11 @@ Returning None means "cannot score this sample" (e.g. no ground truth); the scor
 
 Which reward scores a row: `score.reward_by_data_source` in the config first, then DATA_SOURCE_DEFAULTS.
 A reward is named either by its key in REWARDS or as ``"package.module:function"``.
+
+Row fields (ROW_FIELDS) that the score stage passes to every call: prompt_id, data_source, prompt_text,
+extra_info (the input's extra_info, parsed), sample_idx (0..n-1 within the group), response_length (response
+tokens) and finish_reason ("stop" or "length"). A term's ``params`` (config) are passed as further keyword
+arguments; each must be a named parameter of the function and must not reuse a row field's name.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from batchrl.rewards.basic import exact_match, format_hash
+from batchrl.rewards.basic import exact_match, format_hash, format_think
+from batchrl.rewards.boxed import format_boxed, math_boxed
 from batchrl.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
+from batchrl.rewards.shaping import overlong_penalty, truncation_penalty
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +37,28 @@ REWARDS: dict[str, RewardFn] = {
     "gsm8k_flexible": gsm8k_flexible,
     "exact_match": exact_match,
     "format_hash": format_hash,
+    "math": math_boxed,
+    "format_boxed": format_boxed,
+    "format_think": format_think,
+    "overlong_penalty": overlong_penalty,
+    "truncation_penalty": truncation_penalty,
 }
 
 DATA_SOURCE_DEFAULTS: dict[str, str] = {
     "openai/gsm8k": "gsm8k",  # verl's data_source name for GSM8K
     "gsm8k": "gsm8k",
     "arith": "gsm8k",  # our synthetic arithmetic set answers with "#### N"
+    "math": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",  # verl's data_source name for MATH
+    "lighteval/MATH": "math",
+    "HuggingFaceH4/MATH-500": "math",
 }
 
-__all__ = ["DATA_SOURCE_DEFAULTS", "REWARDS", "RewardFn", "resolve_reward", "reward_name_for"]
+ROW_FIELDS = ("prompt_id", "data_source", "prompt_text", "extra_info", "sample_idx", "response_length",
+              "finish_reason")
+
+__all__ = ["DATA_SOURCE_DEFAULTS", "REWARDS", "ROW_FIELDS", "RewardFn", "check_reward_params", "default_term_name",
+           "resolve_reward", "reward_name_for"]
 
 
 def resolve_reward(name_or_ref: str) -> RewardFn:
@@ -71,6 +91,35 @@ def reward_name_for(data_source: str, *, overrides: Mapping[str, str] | None = N
     )
 
 
+def default_term_name(name_or_ref: str) -> str:
+    """A reward's component name when the config gives none: the registry key, or a reference's function name."""
+    return name_or_ref.rsplit(":", 1)[-1].rsplit(".", 1)[-1] if ":" in name_or_ref else name_or_ref
+
+
+def check_reward_params(reward_fn: RewardFn, params: Mapping[str, Any], *, name: str) -> None:
+    """ValueError unless `params` are named parameters of `reward_fn` that, with the row fields, bind fully.
+
+    Catches a mistyped or missing parameter when the job starts rather than as a failure on every sample.
+    """
+    try:
+        parameters = inspect.signature(reward_fn).parameters
+    except (TypeError, ValueError):
+        return
+    named = {p.name for p in parameters.values()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    shadowing = sorted(set(params) & set(ROW_FIELDS))
+    if shadowing:
+        raise ValueError(f"reward {name!r}: params {shadowing} would replace row fields of the same name; rename them")
+    unknown = sorted(set(params) - named)
+    if unknown:
+        raise ValueError(f"reward {name!r} has no parameter(s) {unknown}; its parameters: "
+                         f"{sorted(named - {'response', 'ground_truth'})}")
+    missing = sorted(p.name for p in parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+                     and p.default is inspect.Parameter.empty and p.name not in params and p.name not in ROW_FIELDS)
+    if missing:
+        raise ValueError(f"reward {name!r} needs params {missing}; set them in the term's `params:`")
+
+
 def _import_reference(reference: str) -> Any:
     """The object at ``"package.module:attribute[.attribute]"``; ValueError naming the reference otherwise."""
     module_name, _, attribute_path = reference.partition(":")
@@ -98,8 +147,11 @@ def _check_reward_signature(candidate: Any, *, name_or_ref: str) -> None:
         return  # some builtins have no introspectable signature; let the call decide
     accepts_row = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
     try:
-        signature.bind("response", None)
-        accepts_response_and_ground_truth = True
+        bound = signature.bind_partial("response", None)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        unbound_positional = [p for p in signature.parameters.values() if p.name not in bound.arguments
+                              and p.default is inspect.Parameter.empty and p.kind in positional]
+        accepts_response_and_ground_truth = not unbound_positional  # required keyword-only: row fields or params
     except TypeError:
         accepts_response_and_ground_truth = False
     if not (accepts_row and accepts_response_and_ground_truth):

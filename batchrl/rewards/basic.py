@@ -13,6 +13,10 @@ stripped, is ``"#### "`` followed by a number (optional ``-``, digits or comma-g
 line lies within the 300 characters that verl searches. A trailing period
 (``"#### 72."``), ``$``, a missing or doubled space, or text after the line all give 0.0, because each of them
 makes the strict gsm8k reward fail or mis-read the answer. Useful as a small shaping term next to "gsm8k".
+
+format_think rewards the reasoning-model layout ``<think> ... </think>`` followed by an answer: exactly one
+``<think>`` and one ``</think>``, the response starts with ``<think>`` (after whitespace), the thinking is not
+blank, and some non-blank text follows ``</think>``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ _PLAIN_NUMBER = re.compile(
     rf"(?P<sign>[-+]?)\$?(?P<sign_after_dollar>[-+]?)(?P<whole>{_DIGITS})?(?:\.(?P<fraction>[0-9]*))?"
 )
 _HASH_ANSWER_LINE = re.compile(rf"#### -?{_DIGITS}(?:\.[0-9]+)?")
+_THINK_THEN_ANSWER = re.compile(r"\s*<think>(?P<thinking>.*?)</think>(?P<answer>.*)", re.DOTALL)
 
 
 def parse_plain_number(text: str) -> Decimal | None:
@@ -64,3 +69,11 @@ def format_hash(response: str, ground_truth: str | None = None, **row: Any) -> f
     """
     lines = [line.strip() for line in response.splitlines() if line.strip()]
     return 1.0 if lines and _HASH_ANSWER_LINE.fullmatch(lines[-1]) else 0.0
+
+
+def format_think(response: str, ground_truth: str | None = None, **row: Any) -> float:
+    """1.0 for ``<think>reasoning</think> answer`` (one of each tag, neither part blank), else 0.0."""
+    if response.count("<think>") != 1 or response.count("</think>") != 1:
+        return 0.0
+    match = _THINK_THEN_ANSWER.fullmatch(response)
+    return 1.0 if match and match["thinking"].strip() and match["answer"].strip() else 0.0

@@ -1,42 +1,95 @@
 """advantage: scores -> advantages, group-relative within each row, then one row per sample.
 
-The group is the row (one prompt, its n samples), so no groupby is needed: the rewards of a shard form
-a dense [num_prompts, n] array handed to a pure function. The output explodes to one row per sample,
-keyed by (prompt_id, sample_idx), which the update stage consumes.
+The group is the row (one prompt, its n samples), so no groupby is needed: the rewards of a shard form a
+dense [num_prompts, n] array handed to a pure function of batchrl.algorithms.advantages. The output
+explodes to one row per sample, keyed by (prompt_id, sample_idx), which the update stage consumes.
+
+Batch-level statistics (whitening, REINFORCE++-baseline) need the whole batch, not one shard: the stage
+first sums mergeable moments over every shard on the driver (reading only the scores and lengths),
+then each shard is whitened with those global moments, so the result equals whitening the whole batch
+at once. DAPO group filtering drops groups whose rewards are all equal and counts them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from batchrl.algorithms.advantages import grpo_advantages
+from batchrl.algorithms.advantages import (
+    BatchMoments,
+    batch_moments,
+    compute_advantages,
+    dynamic_sampling_mask,
+    grpo_advantages,
+    whiten,
+)
 from batchrl.config import PipelineConfig
+from batchrl.config.models import AdvantageConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.storage import join, read_parquet
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGroups:
+    """The groups of one shard that take part in the update, as dense [P, n] arrays."""
+
+    table: pa.Table  # kept rows (groups) of the scores shard
+    rewards_PG: np.ndarray
+    lengths_PG: np.ndarray
+    num_filtered: int
+
+
+def shard_groups(table: pa.Table, *, filter_groups: bool) -> ShardGroups:
+    scores = table.column("scores").to_pylist()
+    if len({len(g) for g in scores}) > 1:
+        raise AssertionError(f"groups of unequal sizes {sorted({len(g) for g in scores})} in one shard")
+    rewards_PG = np.asarray(scores, dtype=np.float64).reshape(table.num_rows, -1)
+    lengths_PG = np.asarray(table.column("response_lengths").to_pylist(), dtype=np.float64).reshape(rewards_PG.shape)
+    keep_P = dynamic_sampling_mask(rewards_PG) if filter_groups and table.num_rows else np.ones(table.num_rows, bool)
+    return ShardGroups(table=table.filter(pa.array(keep_P)), rewards_PG=rewards_PG[keep_P],
+                       lengths_PG=lengths_PG[keep_P], num_filtered=int((~keep_P).sum()))
+
+
+def raw_advantages(groups: ShardGroups, cfg: AdvantageConfig) -> np.ndarray:
+    """Advantages before any batch-level whitening."""
+    if groups.rewards_PG.size == 0:
+        return np.zeros_like(groups.rewards_PG)
+    if cfg.estimator == "reinforce_pp_baseline":
+        return grpo_advantages(groups.rewards_PG, std_normalize=False)  # whitened over the batch below
+    options: dict[str, Any] = {}
+    if cfg.estimator in ("grpo", "grpo_passk"):
+        options["eps"] = cfg.epsilon
+    if cfg.estimator == "grpo_passk":
+        options["k"] = cfg.passk_k
+    return compute_advantages(cfg.estimator, groups.rewards_PG, **options)
+
+
+def needs_batch_moments(cfg: AdvantageConfig) -> bool:
+    return cfg.whiten or cfg.estimator == "reinforce_pp_baseline"
 
 
 class AdvantageWorker(ShardWorker):
     schema = "advantages"
 
-    def __init__(self, *, estimator: str, epsilon: float):
-        self.std_normalize = estimator == "grpo"
-        self.epsilon = epsilon
+    def __init__(self, *, config: dict[str, Any], moments: dict[str, float] | None):
+        self.cfg = AdvantageConfig.model_validate(config)
+        self.moments = BatchMoments(**moments) if moments is not None else None
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
-        scores = table.column("scores").to_pylist()
-        group_sizes = {len(g) for g in scores}
-        if len(group_sizes) > 1:
-            raise AssertionError(f"groups of unequal sizes {sorted(group_sizes)} in one shard")
-        rewards_PG = np.asarray(scores, dtype=np.float64).reshape(table.num_rows, -1)
-        advantages_PG = grpo_advantages(rewards_PG, std_normalize=self.std_normalize, eps=self.epsilon)
-        out = explode_groups(table, advantages_PG)
-        return out, summarize_advantages(out)
+        groups = shard_groups(table, filter_groups=self.cfg.filter_groups)
+        advantages_PG = raw_advantages(groups, self.cfg)
+        if self.moments is not None and advantages_PG.size:
+            advantages_PG = whiten(advantages_PG, eps=self.cfg.whiten_epsilon, weights=groups.lengths_PG,
+                                   moments=self.moments)
+        out = explode_groups(groups.table, advantages_PG)
+        return out, summarize_advantages(out) | {"groups_filtered": groups.num_filtered}
 
 
 def explode_groups(table: pa.Table, advantages_PG: np.ndarray) -> pa.Table:
@@ -68,6 +121,16 @@ def summarize_advantages(table: pa.Table) -> dict[str, float]:
             "advantage_max": float(advantages.max(initial=-np.inf)), "advantage_min": float(advantages.min(initial=np.inf))}
 
 
+def global_moments(ctx: StageContext, cfg: AdvantageConfig) -> BatchMoments:
+    """First pass: moments of the pre-whitening advantages over every shard (token-weighted)."""
+    total = BatchMoments(0.0, 0.0, 0.0)
+    for part in ctx.inputs["scores"].parts:
+        table = read_parquet(join(ctx.input_dirs["scores"], part.name), columns=["scores", "response_lengths"])
+        groups = shard_groups(table, filter_groups=cfg.filter_groups)
+        total = total + batch_moments(raw_advantages(groups, cfg), weights=groups.lengths_PG)
+    return total
+
+
 @register
 class AdvantageStage:
     name = "advantage"
@@ -77,16 +140,21 @@ class AdvantageStage:
     per_iteration = True
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        return {"advantage": cfg.advantage.model_dump()}
+        return {"advantage": cfg.advantage.model_dump(exclude_defaults=True)}
 
     def run(self, ctx: StageContext) -> StageOutput:
         a = ctx.cfg.advantage
+        moments = dataclasses.asdict(global_moments(ctx, a)) if needs_batch_moments(a) else None
         parts, counts = run_sharded(
             input_dir=ctx.input_dirs["scores"], input_manifest=ctx.inputs["scores"], output_dir=ctx.output_dir,
-            worker_cls=AdvantageWorker, worker_kwargs={"estimator": a.estimator, "epsilon": a.epsilon},
+            worker_cls=AdvantageWorker, worker_kwargs={"config": a.model_dump(), "moments": moments},
             summarize=summarize_advantages, concurrency=max(1, ctx.cfg.ray.num_cpus or 2), num_cpus=1)
         n = counts.get("num_samples", 0)
         stats = {"critic/advantages/mean": counts["advantage_sum"] / n, "critic/advantages/max": counts["advantage_max"],
                  "critic/advantages/min": counts["advantage_min"]} if n else {}
+        if a.filter_groups:
+            stats["critic/groups_filtered"] = counts.get("groups_filtered", 0)
+            logger.info("dynamic sampling dropped %d group(s) whose rewards were all equal",
+                        counts.get("groups_filtered", 0))
         return StageOutput(parts=parts, counts={k: int(v) for k, v in counts.items() if not k.startswith("advantage")},
                            stats=stats)

@@ -28,10 +28,9 @@ import pyarrow as pa
 
 from batchrl.config import PipelineConfig
 from batchrl.pipeline.manifest import PartInfo
-from batchrl.pipeline.shards import ShardWorker, committed_part
-from batchrl.pipeline.shards import _add as add_counts
+from batchrl.pipeline.shards import ShardWorker, add_counts, pending_shards
 from batchrl.pipeline.stage import StageContext, StageOutput, register
-from batchrl.storage import join, local_copy, read_parquet
+from batchrl.storage import local_copy
 
 logger = logging.getLogger(__name__)
 
@@ -195,21 +194,13 @@ class GenerateStage:
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         placement = {"num_actors", "cpus_per_actor", "gpus_per_actor", "gpu_memory_utilization", "enforce_eager"}
-        return {"generate": cfg.generate.model_dump(exclude=placement), "seed": cfg.run.seed,
+        return {"generate": cfg.generate.model_dump(exclude=placement, exclude_defaults=True), "seed": cfg.run.seed,
                 "dtype": cfg.model.dtype}
 
     def run(self, ctx: StageContext) -> StageOutput:
         g = ctx.cfg.generate
-        parts, counts, jobs = {}, {}, []
-        for part in ctx.inputs["prompts"].parts:
-            out_uri = join(ctx.output_dir, part.name)
-            done = committed_part(out_uri)
-            if done is not None:  # resumed: this shard was written before the interruption
-                parts[part.name] = done
-                add_counts(counts, summarize_rollouts(read_parquet(out_uri)))
-            else:
-                jobs.append({"input_uri": join(ctx.input_dirs["prompts"], part.name), "output_uri": out_uri,
-                             "name": part.name})
+        parts, counts, jobs = pending_shards(input_dir=ctx.input_dirs["prompts"], input_manifest=ctx.inputs["prompts"],
+                                             output_dir=ctx.output_dir, summarize=summarize_rollouts)
         timings: list[dict[str, float]] = []
         if jobs:
             pool = EnginePool.get(engine_spec(ctx.cfg), num_actors=min(g.num_actors, len(jobs)),

@@ -48,7 +48,7 @@ class IngestStage:
     per_iteration = False
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        return {"data": cfg.data.model_dump(), "tokenizer": cfg.model.tokenizer or cfg.model.path}
+        return {"data": cfg.data.model_dump(exclude_defaults=True), "tokenizer": cfg.model.tokenizer or cfg.model.path}
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         """Before anything is written: every input exists and has the needed columns (reads footers only)."""
@@ -80,16 +80,15 @@ class IngestStage:
         if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(f"the tokenizer of {cfg.model.tokenizer or cfg.model.path} has no chat template; "
                             f"set data.apply_chat_template: false to feed prompts as plain text")
-        rows, rejects, seen = [], [], set()
+        rows, rejects, seen, truncated = [], [], set(), 0
         for uri in files:
             for row in _normalized_rows(uri):
                 reject = _validate(row, seen=seen)
                 if reject is None:
                     _tokenize_into(row, tokenizer, apply_template=cfg.data.apply_chat_template)
-                    if len(row["prompt_token_ids"]) > cfg.data.max_prompt_tokens:
-                        reject = Reject(row["source_file"], row["source_row"], row["prompt_id"], "prompt_too_long",
-                                        f"{len(row['prompt_token_ids'])} tokens > data.max_prompt_tokens="
-                                        f"{cfg.data.max_prompt_tokens}")
+                    reject = _fit_length(row, tokenizer, max_tokens=cfg.data.max_prompt_tokens,
+                                         policy=cfg.data.overlong_prompts)
+                    truncated += row.get("truncated", False)
                 if reject is not None:
                     rejects.append(reject)
                     continue
@@ -102,7 +101,9 @@ class IngestStage:
         if not rows:
             raise DataError(f"no valid prompts in {len(files)} file(s): {len(rejects)} rejected "
                             f"({_reason_counts(rejects)}); check data.train_files and the column layout")
-        return _write(ctx.output_dir, rows, rejects, shard_size=cfg.data.shard_size)
+        output = _write(ctx.output_dir, rows, rejects, shard_size=cfg.data.shard_size)
+        output.counts["truncated_prompts"] = truncated
+        return output
 
 
 def load_tokenizer(cfg: PipelineConfig):
@@ -180,6 +181,20 @@ def _validate(row: dict[str, Any], *, seen: set[str]) -> Reject | None:
     if row["prompt_id"] in seen:
         return reject("duplicate_prompt_id", f"prompt_id {row['prompt_id']!r} seen before")
     row["messages"] = messages
+    return None
+
+
+def _fit_length(row: dict[str, Any], tokenizer, *, max_tokens: int, policy: str) -> Reject | None:
+    """Rejects an overlong prompt, or truncates it (token ids and the text decoded from them)."""
+    ids = row["prompt_token_ids"]
+    if len(ids) <= max_tokens:
+        return None
+    if policy == "reject":
+        return Reject(row["source_file"], row["source_row"], row["prompt_id"], "prompt_too_long",
+                      f"{len(ids)} tokens > data.max_prompt_tokens={max_tokens}")
+    row["prompt_token_ids"] = ids[-max_tokens:] if policy == "truncate_left" else ids[:max_tokens]
+    row["prompt_text"] = tokenizer.decode(row["prompt_token_ids"], skip_special_tokens=False)
+    row["truncated"] = True
     return None
 
 

@@ -7,6 +7,8 @@ environment (AWS_* variables, including AWS_ENDPOINT_URL for S3-compatible store
 from batchrl.storage.fs import (
     StorageError,
     expand_parquet_files,
+    file_identities,
+    is_transient_storage_error,
     is_local,
     local_copy,
     upload_file,
@@ -20,6 +22,7 @@ from batchrl.storage.fs import (
 from batchrl.storage.layout import RunLayout
 
 __all__ = [
-    "RunLayout", "StorageError", "expand_parquet_files", "is_local", "local_copy", "upload_file", "join", "read_parquet", "resolve",
+    "RunLayout", "StorageError", "expand_parquet_files", "file_identities", "is_transient_storage_error",
+    "is_local", "local_copy", "upload_file", "join", "read_parquet", "resolve",
     "sha256_of", "write_bytes_atomic", "write_parquet_atomic",
 ]

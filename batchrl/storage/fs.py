@@ -4,6 +4,11 @@ Atomicity: on a local filesystem a file is written under a temporary sibling nam
 so a crash never leaves a torn file under the final name. On object stores a PUT is already atomic
 (the object appears whole or not at all), so the file is written directly. Readers still trust only the
 parts a stage manifest lists; the manifest is written last.
+
+Outages: every S3 request is retried by botocore ("standard" mode, exponential backoff with jitter,
+``BATCHRL_S3_MAX_ATTEMPTS`` attempts, default 10: roughly a minute of outage is ridden out). A longer
+outage surfaces as an error that ``is_transient_storage_error`` recognises, which the CLI reports as
+"interrupted" (exit 4): nothing is torn, and the same command resumes the run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_S3_MAX_ATTEMPTS = 10
 
 
 class StorageError(RuntimeError):
@@ -36,11 +43,35 @@ def resolve(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
 def _storage_options(uri: str) -> dict:
     if uri.startswith(("s3://", "s3a://")):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        options: dict = {"skip_instance_cache": False}
+        attempts = int(os.environ.get("BATCHRL_S3_MAX_ATTEMPTS", DEFAULT_S3_MAX_ATTEMPTS))
+        options: dict = {"skip_instance_cache": False,
+                         "config_kwargs": {"retries": {"mode": "standard", "max_attempts": attempts},
+                                           "connect_timeout": 10}}
         if endpoint:
             options["client_kwargs"] = {"endpoint_url": endpoint}
         return options
     return {}
+
+
+def is_transient_storage_error(err: BaseException) -> bool:
+    """True for an unreachable or timed-out object store (worth resuming later), not for a missing file."""
+    transient: list[type] = [ConnectionError]  # refused / reset; not TimeoutError, which Ray's get() raises too
+    try:
+        import botocore.exceptions as bex
+
+        transient += [bex.ConnectionError, bex.ConnectionClosedError, bex.ReadTimeoutError, bex.ConnectTimeoutError]
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        transient.append(aiohttp.ClientConnectionError)
+    except ImportError:
+        pass
+    from fsspec.exceptions import FSTimeoutError
+
+    transient.append(FSTimeoutError)
+    return isinstance(err, tuple(transient))
 
 
 def is_local(uri: str) -> bool:
@@ -125,16 +156,21 @@ def expand_parquet_files(patterns: list[str]) -> list[str]:
 
 def local_copy(uri: str) -> str:
     """A local path for a model directory: local paths and hub ids pass through; an object-store directory
-    is downloaded once into the cache ($BATCHRL_CACHE, default ~/.cache/batchrl) and reused."""
+    is downloaded once into the cache ($BATCHRL_CACHE, default ~/.cache/batchrl) and reused while its
+    ``_MANIFEST.json`` is unchanged."""
     if is_local(uri):
         return uri.removeprefix("file://")
     from pathlib import Path
 
     cache_root = Path(os.environ.get("BATCHRL_CACHE", "~/.cache/batchrl")).expanduser() / "models"
-    target = cache_root / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    fs, path = resolve(uri)
+    try:  # a re-published policy directory (--from-stage update) has a new manifest: a new cache entry
+        version = fs.cat_file(f"{path.rstrip('/')}/_MANIFEST.json")
+    except FileNotFoundError:
+        version = b""
+    target = cache_root / hashlib.sha256(uri.encode() + b"\0" + version).hexdigest()[:16]
     if (target / ".complete").exists():
         return str(target)
-    fs, path = resolve(uri)
     tmp = cache_root / f".tmp-{uuid.uuid4().hex}"
     for remote in fs.find(path):
         relative = remote[len(path.rstrip("/")) + 1:]
@@ -165,3 +201,17 @@ def upload_file(local_path: str, uri: str) -> None:
         os.replace(tmp, path)
     else:
         fs.put_file(local_path, path)
+
+
+def file_identities(uris: list[str]) -> list[dict]:
+    """{uri, size, version} per file: version is the ETag on object stores, the mtime (ns) locally, so a
+    rewritten file under the same name reads as a different file."""
+    out = []
+    for uri in uris:
+        fs, path = resolve(uri)
+        info = fs.info(path)
+        version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or ""
+        if isinstance(version, float):
+            version = int(version * 1e9)
+        out.append({"uri": uri, "size": int(info.get("size") or 0), "version": str(version).strip('"')})
+    return out

@@ -24,6 +24,11 @@ class RunLayout:
         return join(self.run_dir, "run.lock")
 
     @property
+    def lineage(self) -> str:
+        """init_from resolution and the input files inherited from earlier runs (nightly chains)."""
+        return join(self.run_dir, "_LINEAGE.json")
+
+    @property
     def metrics_jsonl(self) -> str:
         return join(self.run_dir, "metrics.jsonl")
 

@@ -68,3 +68,77 @@ def s3_bucket(s3_env):
     name = f"batchrl-test-{uuid.uuid4().hex[:8]}"
     boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+_FORWARDER = """
+import asyncio, sys
+
+async def pipe(reader, writer):
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+async def handle(client_reader, client_writer):
+    try:
+        server_reader, server_writer = await asyncio.open_connection(sys.argv[2], int(sys.argv[3]))
+    except OSError:
+        client_writer.close()
+        return
+    await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
+
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]), reuse_address=True)
+    async with server:
+        await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
+class RestartableS3:
+    """An S3 endpoint that can be stopped and restarted on the same port: a TCP forwarder process in front of
+    the moto server. Stopping it kills the forwarder (open connections reset, new ones refused), exactly what a
+    client sees of a server that goes down; moto itself keeps its state, which a real moto restart would lose."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        host, port = self.backend.rsplit("//", 1)[1].split(":")
+        self.process = subprocess.Popen([sys.executable, "-c", _FORWARDER, str(self.port), host, port])
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the S3 forwarder did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+@pytest.fixture
+def restartable_s3(s3_endpoint, monkeypatch):
+    """A RestartableS3 (started) and the environment for processes that talk to it through the forwarder."""
+    endpoint = RestartableS3(s3_endpoint)
+    endpoint.start()
+    env = {"AWS_ENDPOINT_URL": endpoint.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    yield endpoint, env
+    endpoint.stop()

@@ -99,3 +99,19 @@ def test_all_rows_rejected_is_a_data_error_not_an_empty_table(tmp_path, tokenize
     path = write_ours(tmp_path / "e.parquet", [{"prompt": "", "ground_truth": "1"}])
     with pytest.raises(DataError, match="no valid prompts"):
         IngestStage().run(make_ctx(tmp_path, tokenizer_dir, [path]))
+
+
+@pytest.mark.parametrize("policy", ["truncate_left", "truncate_right"])
+def test_overlong_prompts_can_be_truncated_and_are_counted(tmp_path, tokenizer_dir, policy):
+    rows = [{"prompt_id": "long", "data_source": "arith", "prompt": "What is 1 + 1? " * 40, "ground_truth": "2"},
+            {"prompt_id": "short", "data_source": "arith", "prompt": "What is 1 + 1?", "ground_truth": "2"}]
+    ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "t.parquet", rows)], max_prompt_tokens=32,
+                   overlong_prompts=policy)
+    out = IngestStage().run(ctx)
+    assert out.counts["prompts"] == 2 and out.counts["rejected"] == 0 and out.counts["truncated_prompts"] == 1
+    long_row = read_parquet(f"{ctx.output_dir}/part-00000.parquet").to_pylist()[0]
+    assert len(long_row["prompt_token_ids"]) == 32
+    if policy == "truncate_left":  # the generation prompt at the end survives
+        assert long_row["prompt_text"].endswith("<|im_start|>assistant\n")
+    else:
+        assert long_row["prompt_text"].startswith("<|im_start|>user\n")

@@ -8,7 +8,9 @@ import pyarrow as pa
 import pytest
 
 from batchrl.pipeline.schemas import conform
-from batchrl.stages.advantage import AdvantageWorker
+from batchrl.algorithms.advantages import batch_moments
+from batchrl.config.models import AdvantageConfig
+from batchrl.stages.advantage import AdvantageWorker, raw_advantages, shard_groups
 from batchrl.stages.score import RewardSet, ScoreWorker
 
 
@@ -24,6 +26,10 @@ def rollouts(groups: list[tuple[str, str, list[str]]], data_source: str = "arith
             "response_lengths": [i + 1 for i in range(n)], "sample_seeds": list(range(n)), "policy_version": 0,
         })
     return conform(pa.Table.from_pylist(rows), "rollouts")
+
+
+def advantage_worker(moments=None, **config) -> AdvantageWorker:
+    return AdvantageWorker(config=AdvantageConfig(**config).model_dump(), moments=moments)
 
 
 def worker(**overrides) -> ScoreWorker:
@@ -60,13 +66,13 @@ def test_a_failing_reward_scores_the_failure_reward_and_records_why(reward, erro
 
 def test_an_unknown_data_source_without_a_reward_fails_before_scoring():
     with pytest.raises(ValueError, match="reward_by_data_source"):
-        RewardSet(terms=[], by_data_source={}, failure_reward=0.0).functions_for("mystery")
+        RewardSet(terms=[], by_data_source={}, failure_reward=0.0).terms_for("mystery")
 
 
 def test_advantages_are_group_relative_and_exploded_to_one_row_per_sample():
     table = rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8", "#### 7"]), ("p1", "1", ["#### 1", "#### 1"] * 2)])
     scored, _ = worker().process(table)
-    out, counts = AdvantageWorker(estimator="grpo", epsilon=1e-6).process(scored)
+    out, counts = advantage_worker(estimator="grpo").process(scored)
     out = conform(out, "advantages")
     assert out.num_rows == 8
     assert out.column("prompt_id").to_pylist() == ["p0"] * 4 + ["p1"] * 4
@@ -83,5 +89,52 @@ def test_advantages_are_group_relative_and_exploded_to_one_row_per_sample():
 
 def test_drgrpo_subtracts_the_mean_without_std_scaling():
     scored, _ = worker().process(rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8", "#### 8"])]))
-    out, _ = AdvantageWorker(estimator="drgrpo", epsilon=1e-6).process(scored)
+    out, _ = advantage_worker(estimator="drgrpo").process(scored)
     np.testing.assert_allclose(out.column("advantage").to_numpy(), [0.75, -0.25, -0.25, -0.25], rtol=1e-6)
+
+
+def test_rloo_uses_the_leave_one_out_baseline():
+    scored, _ = worker().process(rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8", "#### 8"])]))
+    out, _ = advantage_worker(estimator="rloo").process(scored)
+    # rewards [1, 0, 0, 0]: 1 - 0 = 1 for the first; 0 - 1/3 for the others
+    np.testing.assert_allclose(out.column("advantage").to_numpy(), [1.0, -1 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+
+
+def test_dynamic_sampling_drops_all_equal_groups_and_counts_them():
+    table = rollouts([("p0", "7", ["#### 7", "#### 8"]), ("p1", "1", ["#### 1", "#### 1"]),
+                      ("p2", "2", ["#### 5", "#### 5"])])
+    scored, _ = worker().process(table)
+    out, counts = advantage_worker(estimator="grpo", filter_groups=True).process(scored)
+    assert out.column("prompt_id").to_pylist() == ["p0", "p0"]
+    assert counts["groups_filtered"] == 2 and counts["groups"] == 1
+
+
+def test_whitening_shards_with_global_moments_equals_whitening_the_whole_batch():
+    shard_a = rollouts([("a0", "7", ["#### 7", "#### 8", "x"]), ("a1", "1", ["#### 1", "no", "#### 1"])])
+    shard_b = rollouts([("b0", "3", ["#### 3", "#### 3", "#### 4"])])
+    scored_a, _ = worker().process(shard_a)
+    scored_b, _ = worker().process(shard_b)
+    cfg = AdvantageConfig(estimator="reinforce_pp_baseline")
+    total = None
+    for scored in (scored_a, scored_b):
+        groups = shard_groups(scored, filter_groups=False)
+        m = batch_moments(raw_advantages(groups, cfg), weights=groups.lengths_PG)
+        total = m if total is None else total + m
+    moments = {"weight": total.weight, "mean": total.mean, "m2": total.m2}
+    out_a, _ = advantage_worker(moments=moments, estimator="reinforce_pp_baseline").process(scored_a)
+    out_b, _ = advantage_worker(moments=moments, estimator="reinforce_pp_baseline").process(scored_b)
+    sharded = np.concatenate([out_a.column("advantage").to_numpy(), out_b.column("advantage").to_numpy()])
+    # Whole batch by hand: r - group mean, then token-weighted (lengths 1, 2, 3 per group) z-score.
+    rewards = np.array([[1, 0, 0], [1, 0, 1], [1, 1, 0]], dtype=np.float64)
+    centered = rewards - rewards.mean(axis=1, keepdims=True)
+    weights = np.tile([1.0, 2.0, 3.0], (3, 1))
+    mean = (weights * centered).sum() / weights.sum()
+    var = (weights * (centered - mean) ** 2).sum() / (weights.sum() - 1)
+    np.testing.assert_allclose(sharded, ((centered - mean) / np.sqrt(var + 1e-8)).reshape(-1), rtol=1e-5)
+
+
+def test_passk_needs_its_k_and_reinforce_pp_cannot_be_whitened_twice():
+    with pytest.raises(ValueError, match="passk_k"):
+        AdvantageConfig(estimator="grpo_passk")
+    with pytest.raises(ValueError, match="already whitens"):
+        AdvantageConfig(estimator="reinforce_pp_baseline", whiten=True)

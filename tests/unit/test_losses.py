@@ -1,4 +1,5 @@
-"""Token log-probs, entropy, PPO-clip losses and loss aggregation: hand values and direct formulas."""
+"""Token log-probs, entropy, PPO-clip and GSPO losses, truncated IS and loss aggregation: hand values,
+direct formulas and gradient checks."""
 
 import math
 
@@ -9,10 +10,13 @@ from batchrl.algorithms.losses import (
     AGGREGATION_MODES,
     aggregate_token_losses,
     approx_kl,
+    entropy_bonus,
     entropy_from_logits,
+    gspo_token_losses,
     masked_mean,
     ppo_clip_token_losses,
     token_logprobs,
+    truncated_is_weights,
 )
 
 LOW, HIGH = 0.2, 0.28  # asymmetric clip (DAPO clip-higher)
@@ -112,6 +116,157 @@ def test_mismatched_shapes_are_rejected():
         )
 
 
+# ---------------------------------------------------------------- GSPO
+
+
+def _gspo(log_ratios, advantages, mask, low=LOW, high=HIGH):
+    logprobs = torch.tensor(log_ratios, dtype=torch.float64, requires_grad=True)
+    old_logprobs = torch.zeros_like(logprobs)
+    advantages = torch.tensor(advantages, dtype=torch.float64).expand_as(logprobs)
+    mask = torch.tensor(mask)
+    losses, is_clipped, ratio = gspo_token_losses(
+        logprobs, old_logprobs, advantages, mask, clip_ratio_low=low, clip_ratio_high=high
+    )
+    return logprobs, losses, is_clipped, ratio
+
+
+def test_gspo_ratio_is_the_geometric_mean_of_the_token_ratios_over_the_mask_on_every_token():
+    # seq 0: mean(0.1, 0.3) = 0.2 -> s = e^0.2 = 1.2214 < 1.28, not clipped, loss -A s
+    # seq 1: mean(0.9) = 0.9 (the masked 100 is ignored) -> s = 2.4596, clipped to 1.28 on all its tokens
+    _, losses, is_clipped, ratio = _gspo([[0.1, 0.3], [0.9, 100.0]], [[1.0], [1.0]], [[1, 1], [1, 0]])
+    s0, s1 = math.exp(0.2), math.exp(0.9)
+    torch.testing.assert_close(ratio, torch.tensor([[s0, s0], [s1, s1]], dtype=torch.float64))
+    torch.testing.assert_close(losses, torch.tensor([[-s0, -s0], [-1.28, -1.28]], dtype=torch.float64))
+    assert is_clipped.tolist() == [[False, False], [True, True]]
+
+
+def test_gspo_with_negative_advantage_is_clipped_below_one_minus_clip_ratio_low():
+    # s = e^-0.5 = 0.6065 < 0.8: clipped branch -A * 0.8 = 1.6 beats -A * s = 1.213
+    _, losses, is_clipped, _ = _gspo([[-0.5, -0.5]], [[-2.0]], [[1, 1]])
+    torch.testing.assert_close(losses, torch.tensor([[1.6, 1.6]], dtype=torch.float64))
+    assert is_clipped.all()
+
+
+def _sequence_level_gspo(logprobs, old_logprobs, advantages_B, mask, low, high):
+    """Reference: GSPO's sequence objective with a differentiable s_i, averaged over sequences."""
+    mask = mask.bool()
+    s_B = torch.exp(((logprobs - old_logprobs) * mask).sum(-1) / mask.sum(-1))
+    per_seq = torch.maximum(-advantages_B * s_B, -advantages_B * s_B.clamp(1 - low, 1 + high))
+    return per_seq.mean()
+
+
+def test_gspo_token_losses_aggregated_per_sequence_equal_the_sequence_objective_in_value_and_gradient():
+    generator = torch.Generator().manual_seed(0)
+    batch_size, num_tokens, low, high = 12, 6, 3e-4, 4e-4  # the GSPO paper's clip ranges
+    old_logprobs = -torch.rand(batch_size, num_tokens, generator=generator, dtype=torch.float64)
+    drift = torch.randn(batch_size, num_tokens, generator=generator, dtype=torch.float64) * 1e-3
+    logprobs = (old_logprobs + drift).requires_grad_()
+    advantages_B = torch.randn(batch_size, generator=generator, dtype=torch.float64)
+    lengths = torch.randint(1, num_tokens + 1, (batch_size,), generator=generator)
+    mask = torch.arange(num_tokens)[None, :] < lengths[:, None]
+
+    losses, is_clipped, _ = gspo_token_losses(
+        logprobs,
+        old_logprobs,
+        advantages_B[:, None].expand(-1, num_tokens),
+        mask,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+    )
+    ours = aggregate_token_losses(losses, mask, mode="seq-mean-token-mean")
+    (our_grad,) = torch.autograd.grad(ours, logprobs)
+    reference = _sequence_level_gspo(logprobs, old_logprobs, advantages_B, mask, low, high)
+    (reference_grad,) = torch.autograd.grad(reference, logprobs)
+    torch.testing.assert_close(ours, reference)
+    torch.testing.assert_close(our_grad, reference_grad)
+    clipped_seqs = (is_clipped & mask).any(-1)
+    assert 0 < clipped_seqs.sum() < batch_size  # both branches are exercised
+    assert (our_grad[clipped_seqs] == 0).all()  # a clipped sequence gets no gradient at all
+
+
+def test_gspo_on_one_token_sequences_equals_ppo_clip():
+    logprobs = torch.tensor([[0.5], [-0.5], [0.1]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0], [-1.0], [2.0]], dtype=torch.float64)
+    gspo = gspo_token_losses(
+        logprobs, torch.zeros_like(logprobs), advantages, torch.ones(3, 1), clip_ratio_low=LOW, clip_ratio_high=HIGH
+    )
+    ppo = ppo_clip_token_losses(
+        logprobs, torch.zeros_like(logprobs), advantages, clip_ratio_low=LOW, clip_ratio_high=HIGH
+    )
+    for ours, theirs in zip(gspo, ppo):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_gspo_old_logprobs_and_advantages_receive_no_gradient_and_garbage_off_mask_does_not_leak():
+    old = torch.tensor([[0.0, float("nan")]], requires_grad=True)
+    advantages = torch.ones(1, 2, requires_grad=True)
+    logprobs = torch.tensor([[0.1, 0.0]], requires_grad=True)
+    losses, _, ratio = gspo_token_losses(
+        logprobs, old, advantages, torch.tensor([[1, 0]]), clip_ratio_low=LOW, clip_ratio_high=HIGH
+    )
+    assert ratio[0, 0].item() == pytest.approx(math.exp(0.1))
+    aggregate_token_losses(losses, torch.tensor([[1, 0]]), mode="token-mean").backward()
+    assert old.grad is None and advantages.grad is None
+    assert torch.isfinite(logprobs.grad).all()
+
+
+def test_gspo_rejects_invalid_clip_ratios_and_mismatched_mask():
+    with pytest.raises(ValueError, match="clip_ratio_low"):
+        gspo_token_losses(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1, 2),
+            clip_ratio_low=1.0,
+            clip_ratio_high=0.1,
+        )
+    with pytest.raises(ValueError, match="same shape"):
+        gspo_token_losses(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1, 3),
+            clip_ratio_low=0.1,
+            clip_ratio_high=0.1,
+        )
+
+
+# ---------------------------------------------------------------- truncated importance sampling
+
+
+def test_truncated_is_weights_are_the_probability_ratio_capped_and_zero_off_mask():
+    old = torch.tensor([[0.0, math.log(1.5), math.log(3.0), -1.0, 5.0]])
+    rollout = torch.zeros(1, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    weights = truncated_is_weights(old, rollout, mask, cap=2.0)
+    # ratio 1, 1.5, 3 -> capped 2, e^-1; the masked-out token gets 0
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 1.5, 2.0, math.exp(-1.0), 0.0]]))
+
+
+def test_truncated_is_weights_carry_no_gradient_and_stay_finite_for_huge_log_ratios():
+    old = torch.tensor([[1000.0, -1000.0]], requires_grad=True)
+    rollout = torch.zeros(1, 2, requires_grad=True)
+    weights = truncated_is_weights(old, rollout, torch.ones(1, 2), cap=2.0)
+    assert not weights.requires_grad
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.0]]))
+
+
+def test_truncated_is_weights_scale_the_pg_loss_and_its_gradient_token_by_token():
+    logprobs = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    losses, _, _ = ppo_clip_token_losses(
+        logprobs, torch.zeros(1, 2), torch.ones(1, 2), clip_ratio_low=LOW, clip_ratio_high=HIGH
+    )
+    weights = truncated_is_weights(torch.tensor([[0.0, math.log(1.5)]]), torch.zeros(1, 2), torch.ones(1, 2), cap=2.0)
+    (losses * weights).sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, -1.5]]))
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan")])
+def test_truncated_is_rejects_a_cap_that_is_not_a_positive_number(cap):
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), cap=cap)
+
+
 # ---------------------------------------------------------------- aggregation
 
 NAN = float("nan")
@@ -120,6 +275,7 @@ RAGGED_LOSSES = torch.tensor(
     [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, NAN, 100.0], [7.0, 8.0, 9.0, 10.0], [NAN, 1.0, 2.0, 3.0]]
 )
 RAGGED_MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+NORM_LENGTH = 8  # seq-mean-token-sum-norm's constant horizon (max_response_length), > the 4 padded tokens
 
 
 @pytest.mark.parametrize(
@@ -128,16 +284,35 @@ RAGGED_MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 
         ("token-mean", (10 + 11 + 7) / 7),  # 7 tokens
         ("seq-mean-token-mean", (2.5 + 5.5 + 7.0) / 3),  # the empty sequence does not count
         ("seq-mean-token-sum", (10 + 11 + 7) / 3),
+        ("seq-mean-token-sum-norm", (10 + 11 + 7) / (3 * 8)),  # 3 sequences times the constant 8
     ],
 )
 def test_each_aggregation_mode_matches_hand_computed_values_on_a_ragged_mask(mode, expected):
-    loss = aggregate_token_losses(RAGGED_LOSSES, RAGGED_MASK, mode=mode)
+    loss = aggregate_token_losses(RAGGED_LOSSES, RAGGED_MASK, mode=mode, norm_length=NORM_LENGTH)
     assert loss.item() == pytest.approx(expected)
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_constant_not_the_batch_length():
+    short = aggregate_token_losses(
+        RAGGED_LOSSES[:, :2], RAGGED_MASK[:, :2], mode="seq-mean-token-sum-norm", norm_length=NORM_LENGTH
+    )
+    # the same first two tokens: (3 + 11 + 7) / (3 * 8), whatever the padded width
+    assert short.item() == pytest.approx(21 / 24)
+
+
+def test_seq_mean_token_sum_norm_without_a_norm_length_is_rejected_and_other_modes_ignore_it():
+    with pytest.raises(ValueError, match="norm_length.*max_response_length"):
+        aggregate_token_losses(RAGGED_LOSSES, RAGGED_MASK, mode="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate_token_losses(RAGGED_LOSSES, RAGGED_MASK, mode="seq-mean-token-sum-norm", norm_length=0)
+    plain = aggregate_token_losses(RAGGED_LOSSES, RAGGED_MASK, mode="token-mean")
+    assert aggregate_token_losses(RAGGED_LOSSES, RAGGED_MASK, mode="token-mean", norm_length=99).item() == plain
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_a_fully_masked_batch_aggregates_to_zero_not_nan(mode):
-    assert aggregate_token_losses(torch.ones(2, 3), torch.zeros(2, 3), mode=mode).item() == 0.0
+    loss = aggregate_token_losses(torch.ones(2, 3), torch.zeros(2, 3), mode=mode, norm_length=NORM_LENGTH)
+    assert loss.item() == 0.0
 
 
 def _random_ragged_batch(seed: int, batch_size: int = 7, num_tokens: int = 9):
@@ -153,7 +328,7 @@ def _random_ragged_batch(seed: int, batch_size: int = 7, num_tokens: int = 9):
 @pytest.mark.parametrize("split", [3, 5])
 def test_halves_aggregated_with_global_counts_sum_to_the_whole_batch_loss_and_gradient(mode, split):
     losses, mask = _random_ragged_batch(seed=split)
-    whole = aggregate_token_losses(losses, mask, mode=mode)
+    whole = aggregate_token_losses(losses, mask, mode=mode, norm_length=NORM_LENGTH)
     (whole_grad,) = torch.autograd.grad(whole, losses)
 
     num_global_tokens = float(mask.sum())
@@ -165,6 +340,7 @@ def test_halves_aggregated_with_global_counts_sum_to_the_whole_batch_loss_and_gr
             mode=mode,
             num_global_tokens=num_global_tokens,
             num_global_seqs=num_global_seqs,
+            norm_length=NORM_LENGTH,
         )
         for rows in (slice(0, split), slice(split, None))
     ]
@@ -311,3 +487,28 @@ def test_entropy_is_log_vocab_for_uniform_logits_and_near_zero_for_a_peaked_dist
     peaked = torch.zeros(1, 1, 8)
     peaked[..., 3] = 50.0
     assert entropy_from_logits(peaked).item() < 1e-15
+
+
+# ---------------------------------------------------------------- entropy bonus
+
+
+def test_entropy_bonus_is_the_entropy_aggregated_like_the_pg_loss():
+    logits = torch.zeros(2, 3, 4)  # uniform over 4: entropy log 4 everywhere
+    logits[1, :, 0] = 50.0  # second sequence: entropy ~ 0
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    entropy = entropy_from_logits(logits)
+    token_mean = entropy_bonus(entropy, mask, mode="token-mean")
+    seq_mean = entropy_bonus(entropy, mask, mode="seq-mean-token-mean")
+    assert token_mean.item() == pytest.approx(2 * math.log(4) / 3)  # 3 tokens, two of entropy log 4
+    assert seq_mean.item() == pytest.approx(math.log(4) / 2)  # sequence means log 4 and 0
+
+
+def test_a_gradient_step_on_minus_the_entropy_bonus_raises_the_entropy():
+    logits = torch.tensor([[[2.0, 0.0, -1.0]]], requires_grad=True)
+    mask = torch.ones(1, 1)
+    before = entropy_from_logits(logits).item()
+    loss = -0.1 * entropy_bonus(entropy_from_logits(logits), mask, mode="token-mean")
+    loss.backward()
+    with torch.no_grad():
+        after = entropy_from_logits(logits - 1.0 * logits.grad).item()
+    assert after > before

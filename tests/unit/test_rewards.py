@@ -211,7 +211,8 @@ def test_a_well_formed_hash_line_is_exactly_what_strict_extraction_reads(number)
 
 
 def test_the_registry_has_the_documented_rewards_and_every_default_source_names_one():
-    assert {"gsm8k", "gsm8k_flexible", "exact_match", "format_hash"} <= REWARDS.keys()
+    assert {"gsm8k", "gsm8k_flexible", "exact_match", "format_hash", "math", "format_boxed", "format_think",
+            "overlong_penalty", "truncation_penalty"} <= REWARDS.keys()
     assert set(DATA_SOURCE_DEFAULTS.values()) <= REWARDS.keys()
 
 
@@ -240,7 +241,8 @@ def test_an_unknown_name_lists_the_known_rewards_and_the_reference_form():
     with pytest.raises(ValueError) as error:
         resolve_reward("gsm9k")
     message = str(error.value)
-    assert "'gsm9k'" in message and "exact_match, format_hash, gsm8k, gsm8k_flexible" in message
+    assert "'gsm9k'" in message
+    assert "exact_match, format_boxed, format_hash, format_think, gsm8k, gsm8k_flexible, math" in message
     assert "package.module:function" in message
 
 
