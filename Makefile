@@ -26,8 +26,8 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow" tests
 
-bench: install
-	$(PY) bench/run_all.py
+bench: install  # all benchmarks -> bench/RESULTS.md; a subset: make bench BENCH="advantage memory resume"
+	$(PY) bench/run_all.py $(BENCH)
 
 clean:
 	rm -rf runs .cache

@@ -177,11 +177,10 @@ def _print_summary(summary) -> None:
     typer.echo(f"run {summary.run_dir}: ran {len(summary.ran)} stage(s), skipped {len(summary.skipped)}")
     if summary.no_new_files:
         typer.echo("no input file that the runs before this one have not ingested: nothing to train on")
-    columns = ["iteration", "critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/ppo_kl",
-               "actor/grad_norm", "timing_s/step"]
-    typer.echo("  ".join(f"{c:>20}" for c in columns))
-    for metrics in summary.iterations:
-        typer.echo("  ".join(f"{_fmt(metrics.get(c)):>20}" for c in columns))
+    from batchrl.tracking import format_summary
+
+    if summary.iterations:
+        typer.echo(format_summary(summary.iterations))
 
 
 def _fmt(value) -> str:
@@ -218,6 +217,13 @@ def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
                 "other host": f" (if that run is gone: batchrl unlock {run_dir})"}.get(state, "")
         typer.echo(f"lock: held by pid {holder.get('pid')} on {holder.get('host')} since "
                    f"{time.ctime(holder.get('since', 0))}, {state}{hint}")
+
+
+def _is_run_dir(uri: str) -> bool:
+    from batchrl.storage import join, resolve
+
+    fs, path = resolve(join(uri, "run.yaml"))
+    return fs.exists(path)
 
 
 def _run_config(run_dir: str) -> PipelineConfig:
@@ -261,13 +267,19 @@ def unlock(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
 
 
 @app.command()
-def inspect(table: str = typer.Argument(..., help="A stage table directory or a Parquet file (local or s3://)."),
+def inspect(table: str = typer.Argument(..., help="A stage table directory, a Parquet file or a run directory "
+                                        "(local or s3://)."),
             rows: int = typer.Option(3, "--rows", "-n", help="Rows to show.")) -> None:
     """Print the schema, row count and first rows of a stage table."""
     from batchrl.pipeline.manifest import read_manifest
     from batchrl.storage import StorageError, join, read_parquet
 
     manifest = None if table.endswith(".parquet") else read_manifest(table)
+    if manifest is None and not table.endswith(".parquet") and _is_run_dir(table):
+        from batchrl.tracking import describe_run
+
+        typer.echo(describe_run(table))
+        return
     try:
         if manifest is not None:
             files = [join(table, p.name) for p in manifest.parts]
@@ -282,6 +294,27 @@ def inspect(table: str = typer.Argument(..., help="A stage table directory or a 
     typer.echo(str(first.schema))
     for row in first.slice(0, rows).to_pylist():
         typer.echo(json.dumps(row, default=str)[:2000])
+
+
+@app.command()
+def report(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...)."),
+           out: Optional[str] = typer.Option(None, "--out", help="Where to write index.html and the PNG plots "
+                                             "(default <run>/report; local or s3://)."),
+           groups: int = typer.Option(3, "--groups", help="Sample groups shown per iteration.")) -> None:
+    """Plots of reward, accuracy, KL, entropy, response length and timings per iteration, and an HTML page
+    with the best and worst completion of sample groups per iteration."""
+    from batchrl.storage import StorageError
+    from batchrl.tracking.report import write_report
+
+    try:
+        page = write_report(run_dir, out_dir=out, groups_per_iteration=groups)
+    except ConfigError as err:
+        typer.echo(f"config error: {err}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
+    except (ValueError, StorageError) as err:
+        typer.echo(f"data error: {err}", err=True)
+        raise typer.Exit(EXIT_DATA) from None
+    typer.echo(f"report: {page}")
 
 
 def main() -> None:

@@ -1,19 +1,45 @@
-"""Runs every bench/bench_*.py and writes their RESULT lines to bench/RESULTS.md."""
+"""Runs every bench/bench_*.py (or those named: `run_all.py memory resume`) and writes their RESULT lines to
+bench/RESULTS.md. Rows of benchmarks not run this time are kept from the previous RESULTS.md."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+HEADER = ["| benchmark | metric | value (target) |", "|---|---|---|"]
 
 
-def main() -> int:
+def previous_rows() -> list[tuple[str, str, str]]:
+    path = HERE / "RESULTS.md"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| bench_") and len(cells) == 3:
+            rows.append((cells[0], cells[1], cells[2]))
+    return rows
+
+
+def main(names: list[str]) -> int:
+    scripts = sorted(HERE.glob("bench_*.py"))
+    if names:
+        wanted = {n if n.startswith("bench_") else f"bench_{n}" for n in names}
+        unknown = wanted - {s.stem for s in scripts}
+        if unknown:
+            sys.stderr.write(f"no benchmark {sorted(unknown)}; there are {[s.stem for s in scripts]}\n")
+            return 2
+        scripts = [s for s in scripts if s.stem in wanted]
     rows, failed = [], False
-    for script in sorted(HERE.glob("bench_*.py")):
+    for script in scripts:
+        print(f"== {script.stem}", flush=True)
+        started = time.perf_counter()
         result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
         sys.stdout.write(result.stdout)
+        print(f"   ({time.perf_counter() - started:.0f} s)", flush=True)
         if result.returncode != 0:
             failed = True
             sys.stderr.write(result.stderr[-3000:])
@@ -24,11 +50,12 @@ def main() -> int:
                 name, _, rest = line.removeprefix("RESULT ").partition("=")
                 value, _, target = rest.partition(" ")
                 rows.append((script.stem, name, f"{value} {target}".strip()))
-    table = ["| benchmark | metric | value (target) |", "|---|---|---|"]
-    table += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    ran = {s.stem for s in scripts}
+    rows = sorted([r for r in previous_rows() if r[0] not in ran] + rows, key=lambda r: r[0])  # stable: metric order
+    table = HEADER + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     (HERE / "RESULTS.md").write_text("# Benchmark results\n\nWritten by `make bench`.\n\n" + "\n".join(table) + "\n")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -41,6 +41,7 @@ from batchrl.pipeline.lock import RunLock
 from batchrl.pipeline.manifest import MANIFEST_NAME, Manifest, damaged_parts, fingerprint, read_manifest, write_manifest
 from batchrl.pipeline.stage import STAGES, StageContext, stage_order
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
+from batchrl.tracking import Trackers, check_tracking, tracking_session
 
 logger = logging.getLogger(__name__)
 
@@ -193,13 +194,16 @@ class Runner:
                                 verify_checksums=verify_checksums)
         self.plan = {(s.name, s.iteration): s for s in self.steps}
         self.summary = RunSummary(run_dir=self.layout.run_dir)
+        self.trackers = Trackers([])  # opened in run()
 
     def run(self) -> RunSummary:
         self._ensure_toy_assets()
         self.check_inputs()  # config errors surface here, before the run directory is touched
         with RunLock(self.layout.lock):
             self._write_run_yaml()  # first: `batchrl status` reads it, even of a run killed while starting
-            with _ray_session(self.cfg):
+            with tracking_session(self.cfg.tracking, run_dir=self.layout.run_dir, run_id=self.cfg.run_id,
+                                  config_dict=self.cfg.model_dump(mode="json")) as self.trackers, \
+                    _ray_session(self.cfg, needed=any(s.status != "done" for s in self.plan.values())):
                 self._clear_forced()
                 prompts = self.stage("ingest")
                 if prompts is None:
@@ -247,6 +251,7 @@ class Runner:
 
     def check_inputs(self) -> None:
         """Config-level checks of every stage that has them; ingest's only while it still has to run."""
+        check_tracking(self.cfg.tracking, run_dir=self.layout.run_dir)
         for name in stage_order():
             if name == "ingest" and self.plan[("ingest", None)].status == "done":
                 continue
@@ -267,6 +272,7 @@ class Runner:
         self.summary.iterations.append(metrics)
         lines = "".join(json.dumps(m) + "\n" for m in self.summary.iterations)
         write_bytes_atomic(self.layout.metrics_jsonl, lines.encode())  # rewritten whole: resume never duplicates
+        self.trackers.log(metrics, step=iteration)
 
     def _ingest_config(self) -> tuple[PipelineConfig | None, list[dict]]:
         """The config ingest runs with: data.train_files narrowed to the files to read (incremental runs
@@ -395,11 +401,12 @@ def iteration_metrics(plan: dict[tuple[str, int | None], PlannedStage], iteratio
 
 
 @contextlib.contextmanager
-def _ray_session(cfg: PipelineConfig) -> Iterator[None]:
+def _ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[None]:
+    """Embedded local Ray (or the cluster at ray.address / $RAY_ADDRESS); not started when nothing will run."""
     import ray
     from ray.data import DataContext
 
-    if ray.is_initialized():
+    if not needed or ray.is_initialized():
         yield
         return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")

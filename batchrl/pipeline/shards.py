@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from batchrl.pipeline.manifest import Manifest, PartInfo
 from batchrl.pipeline.schemas import conform
+from batchrl.tracking.progress import progress
 from batchrl.pipeline.stage import DataError
 from batchrl.storage import join, read_parquet, resolve, sha256_of, write_parquet_atomic
 
@@ -128,6 +129,8 @@ def run_sharded(
     concurrency: int,
     num_cpus: float,
     num_gpus: float = 0.0,
+    description: str = "stage",
+    progress_bars: bool = True,
 ) -> tuple[list[PartInfo], dict[str, float]]:
     """Runs ``worker_cls`` over every input part lacking an output part; returns parts and summed counts."""
     import ray.data
@@ -139,7 +142,7 @@ def run_sharded(
         with warnings.catch_warnings():
             # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-            results = dataset.map_batches(
+            mapped = dataset.map_batches(
                 worker_cls,
                 fn_constructor_kwargs=worker_kwargs,
                 batch_size=1,
@@ -148,7 +151,12 @@ def run_sharded(
                 num_gpus=num_gpus or None,
                 max_restarts=ACTOR_MAX_RESTARTS,
                 max_task_retries=SHARD_MAX_RETRIES,
-            ).take_all()
+            )
+            results = []
+            with progress(len(jobs), f"{description}: shards", enabled=progress_bars) as bar:
+                for row in mapped.iter_rows():
+                    results.append(row)
+                    bar.advance()
         for row in results:
             parts[row["name"]] = PartInfo(name=row["name"], rows=int(row["rows"]), sha256=row["sha256"],
                                           num_bytes=int(row["num_bytes"]))

@@ -148,7 +148,8 @@ class AdvantageStage:
         parts, counts = run_sharded(
             input_dir=ctx.input_dirs["scores"], input_manifest=ctx.inputs["scores"], output_dir=ctx.output_dir,
             worker_cls=AdvantageWorker, worker_kwargs={"config": a.model_dump(), "moments": moments},
-            summarize=summarize_advantages, concurrency=max(1, ctx.cfg.ray.num_cpus or 2), num_cpus=1)
+            summarize=summarize_advantages, concurrency=max(1, ctx.cfg.ray.num_cpus or 2), num_cpus=1,
+            description="advantage", progress_bars=ctx.cfg.tracking.progress_bars)
         n = counts.get("num_samples", 0)
         stats = {"critic/advantages/mean": counts["advantage_sum"] / n, "critic/advantages/max": counts["advantage_max"],
                  "critic/advantages/min": counts["advantage_min"]} if n else {}

@@ -168,11 +168,18 @@ class EnginePool:
             cls._current = cls(spec, num_actors=num_actors, num_cpus=num_cpus, num_gpus=num_gpus)
         return cls._current
 
-    def run(self, jobs: list[dict[str, str]], settings: ShardSettings) -> list[dict[str, Any]]:
+    def run(self, jobs: list[dict[str, str]], settings: ShardSettings, *, progress_bars: bool) -> list[dict[str, Any]]:
         from ray.util import ActorPool
 
+        from batchrl.tracking.progress import progress
+
         pool = ActorPool(self.actors)
-        return list(pool.map_unordered(lambda actor, job: actor.generate_shard.remote(job, settings), jobs))
+        results = []
+        with progress(len(jobs), "generate: shards", enabled=progress_bars) as bar:
+            for row in pool.map_unordered(lambda actor, job: actor.generate_shard.remote(job, settings), jobs):
+                results.append(row)
+                bar.advance()
+        return results
 
     def shutdown(self) -> None:
         import ray
@@ -209,7 +216,7 @@ class GenerateStage:
                 policy=ctx.policy_in, num_samples_per_prompt=g.num_samples_per_prompt, run_seed=ctx.cfg.run.seed,
                 iteration=ctx.iteration, sampling={"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
                                                    "max_new_tokens": g.max_new_tokens, "stop": tuple(g.stop)})
-            for row in pool.run(jobs, settings):
+            for row in pool.run(jobs, settings, progress_bars=ctx.cfg.tracking.progress_bars):
                 parts[row["name"]] = PartInfo(name=row["name"], rows=int(row["rows"]), sha256=row["sha256"],
                                               num_bytes=int(row["num_bytes"]))
                 add_counts(counts, json.loads(row["counts_json"]))

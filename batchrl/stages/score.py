@@ -302,7 +302,8 @@ class ScoreStage:
             input_dir=ctx.input_dirs["rollouts"], input_manifest=ctx.inputs["rollouts"], output_dir=ctx.output_dir,
             worker_cls=ScoreWorker, worker_kwargs=self.reward_kwargs(cfg), summarize=summarize_scores,
             concurrency=rm.num_actors if rm else max(1, cfg.ray.num_cpus or 2),
-            num_cpus=rm.cpus_per_actor if rm else 1, num_gpus=rm.gpus_per_actor if rm else 0.0)
+            num_cpus=rm.cpus_per_actor if rm else 1, num_gpus=rm.gpus_per_actor if rm else 0.0,
+            description="score", progress_bars=cfg.tracking.progress_bars)
         n = int(counts.get("num_samples", 0))
         if counts.get("failed_samples"):
             logger.warning("%d of %d samples failed to score (%d timed out; see score_errors)",

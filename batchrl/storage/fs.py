@@ -108,7 +108,10 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
 def write_parquet_atomic(table: pa.Table, uri: str) -> tuple[int, str]:
     """Writes ``table`` to ``uri`` atomically; returns (num_bytes, sha256 hex) of the file written."""
     buffer = io.BytesIO()
-    pq.write_table(table, buffer, compression="zstd")
+    if table.num_rows:
+        pq.write_table(table, buffer, compression="zstd")
+    else:  # no row group at all: readers such as `datasets` choke on an empty one
+        pq.ParquetWriter(buffer, table.schema, compression="zstd").close()
     data = buffer.getvalue()
     write_bytes_atomic(uri, data)
     return len(data), hashlib.sha256(data).hexdigest()

@@ -1,0 +1,73 @@
+"""The committed tables of a run, for ``batchrl inspect RUN`` and for reading a run with other tools.
+
+Why from manifests: a table is the parts its ``_MANIFEST.json`` lists, nothing else (an interrupted stage
+leaves parts and temporary files beside them). Each TableInfo carries the part URIs, which pandas, duckdb
+and ``datasets.load_dataset("parquet", data_files=...)`` read as they are. The policy checkpoints
+(``iter_NNNN/policy``) are not tables and are left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from batchrl.pipeline.manifest import Manifest, read_manifest
+from batchrl.storage import RunLayout, join, resolve
+
+logger = logging.getLogger(__name__)
+
+ITERATION_TABLES = ("rollouts", "scores", "advantages")
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    label: str  # "prompts", "prompts rejects", "iter 0 scores"
+    table_dir: str
+    schema: str  # the data_schemas/ name
+    files: list[str]  # part URIs, in order
+    num_rows: int
+
+
+def run_tables(run_dir: str) -> list[TableInfo]:
+    """Every committed table of the run, in pipeline order (tables of unfinished stages are left out)."""
+    layout = RunLayout(run_dir.rstrip("/"))
+    tables = _tables_of(layout.table_dir("prompts", None), "prompts")
+    for iteration in iteration_dirs(layout.run_dir):
+        for table in ITERATION_TABLES:
+            tables += _tables_of(layout.table_dir(table, iteration), f"iter {iteration} {table}")
+    return tables
+
+
+def _tables_of(table_dir: str, label: str) -> list[TableInfo]:
+    manifest: Manifest | None = read_manifest(table_dir)
+    if manifest is None or not manifest.schema:
+        return []
+    out = [TableInfo(label, table_dir, manifest.schema, [join(table_dir, p.name) for p in manifest.parts],
+                     manifest.num_rows)]
+    for name, parts in sorted(manifest.extra_parts.items()):
+        if parts:  # e.g. ingest's rejects: schema <table>_<name> without the plural (prompt_rejects)
+            schema = f"{manifest.schema.rstrip('s')}_{name}"
+            out.append(TableInfo(f"{label} {name}", join(table_dir, parts[0].name.rsplit("/", 1)[0]), schema,
+                                 [join(table_dir, p.name) for p in parts], sum(p.rows for p in parts)))
+    return out
+
+
+def iteration_dirs(run_dir: str) -> list[int]:
+    """Iterations with an iter_NNNN directory ([] when the run directory does not exist)."""
+    fs, path = resolve(run_dir)
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(int(n[5:]) for n in names if re.fullmatch(r"iter_\d{4,}", n))
+
+
+def describe_run(run_dir: str) -> str:
+    """One line per committed table: label, rows, parts, schema and directory."""
+    tables = run_tables(run_dir)
+    if not tables:
+        return f"{run_dir}: no committed table (not a run directory, or no stage has finished)"
+    width = max(len(t.label) for t in tables)
+    return "\n".join(f"{t.label:<{width}}  {t.num_rows:>9} rows  {len(t.files):>4} part(s)  schema {t.schema:<14} "
+                     f"{t.table_dir}" for t in tables)
