@@ -105,3 +105,17 @@ def test_a_new_policy_is_pushed_into_the_live_engine_and_generates_like_a_fresh_
         assert a["response_token_ids"] == b["response_token_ids"]
         for lp_a, lp_b in zip(a["response_logprobs"], b["response_logprobs"], strict=True):
             assert lp_a == pytest.approx(lp_b, abs=1e-4)
+
+
+def test_a_killed_generation_actor_is_restarted_and_reloads_the_shards_policy(
+        ray_session, tmp_path, toy_model_dir, toy_prompts_dir, second_policy):
+    import ray
+
+    cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, "hf")
+    prompts = ingest(cfg)
+    _, expected = generate(cfg, prompts, policy=second_policy, out_name="expected", iteration=1)
+    pool = EnginePool._current
+    ray.kill(pool.actors[0], no_restart=False)  # Ray restarts it (max_restarts): it comes back holding model.path
+    _, after_restart = generate(cfg, prompts, policy=second_policy, out_name="after", iteration=1)
+    assert EnginePool._current is pool
+    assert after_restart == expected  # the restarted actor pushed the shard's policy before generating
