@@ -1,14 +1,28 @@
-"""update: advantages -> the next policy, one FSDP2 PPO-clip update, saved as an HF checkpoint.
+"""update: advantages -> the next policy, one FSDP2 PPO-clip/GSPO update, saved as an HF checkpoint.
 
-The stage is glue: it resolves local paths (downloading the advantages parts and the input policy when
-the run lives on object storage), hands an UpdateSpec to the trainer's launcher (N torch.distributed
-processes, gloo on CPU / NCCL on GPU), and publishes the checkpoint into ``iter_NNNN/policy/``. The
-policy manifest, written last, lists every checkpoint file with its checksum; the next iteration's
-generate stage loads this directory.
+The stage is glue: it resolves local paths (downloading the advantages parts, the input policy, the reference
+policy and the previous optimizer state when the run lives on object storage), hands an UpdateSpec to the
+trainer's launcher (N torch.distributed processes, gloo on CPU / NCCL on GPU), and publishes into
+``iter_NNNN/policy/``:
+
+- the HF checkpoint (config, safetensors, tokenizer): the manifest's ``parts``, what the next iteration's
+  generate stage loads;
+- ``_trainer_state/``: AdamW moments (sharded DCP files) and ``trainer_state.json`` (global optimizer step),
+  which the next iteration's update restores, so the iterations train like one long run;
+- ``_logprobs/part-00000.parquet``: per sample, the old-policy and reference log-probs the loss used
+  (per token, and summed), listed in the manifest's ``extra_parts["logprobs"]``.
+Leading underscores keep both out of model downloads (`local_copy` skips them) and out of the engines' way.
+The optimizer state is deliberately NOT in the manifest: keep-last-K deletes it later, and the runner treats a
+listed part that disappeared as damage (it would redo the update).
+
+The reference policy of the KL loss is the run's initial policy (``model.path``). Optimizer states older
+than ``update.keep_last_k_optimizer_states`` are deleted when an update starts (never the HF policies):
+the state this update resumes from is always kept, so a crash before the manifest is written can redo it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -23,6 +37,9 @@ from batchrl.storage import is_local, join, local_copy, resolve, upload_file
 
 logger = logging.getLogger(__name__)
 
+TRAINER_STATE_DIR = "_trainer_state"
+LOGPROBS_PART = "_logprobs/part-00000.parquet"
+
 
 @register
 class UpdateStage:
@@ -33,51 +50,124 @@ class UpdateStage:
     per_iteration = True
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        return {"update": cfg.update.model_dump(exclude={"timeout_s"}), "seed": cfg.run.seed, "dtype": cfg.model.dtype}
+        u = cfg.update
+        return {"update": u.model_dump(exclude={"timeout_s", "keep_last_k_optimizer_states"}),
+                "saves_optimizer_state": u.keep_last_k_optimizer_states != 0, "seed": cfg.run.seed,
+                "dtype": cfg.model.dtype, "schedule_iterations": _schedule_iterations(cfg),
+                "norm_length": _norm_length(cfg), "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None}
 
     def run(self, ctx: StageContext) -> StageOutput:
-        from batchrl.trainer import UpdateSpec, run_update
+        from batchrl.trainer import run_update
 
-        u = ctx.cfg.update
+        _prune_trainer_states(ctx)
         with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
-            files = [_local_part(join(ctx.input_dirs["advantages"], p.name), scratch) for p in ctx.inputs["advantages"].parts]
-            staging = Path(scratch) / "policy"
-            spec = UpdateSpec(
-                policy_in=local_copy(ctx.policy_in), policy_out=str(staging), advantages_files=files,
-                metrics_path=str(Path(scratch) / "metrics.json"), num_processes=u.num_processes, backend=u.backend,
-                lr=u.lr, weight_decay=u.weight_decay, max_grad_norm=u.max_grad_norm, clip_ratio_low=u.clip_ratio_low,
-                clip_ratio_high=u.clip_ratio_high, loss_agg_mode=u.loss_agg_mode, micro_batch_size=u.micro_batch_size,
-                ppo_epochs=u.ppo_epochs, seed=ctx.cfg.run.seed + (ctx.iteration or 0),
-                dtype="bfloat16" if ctx.cfg.model.dtype == "bfloat16" else "float32",
-                old_logprobs=u.old_logprobs, entropy_coeff=u.entropy_coeff)
-            metrics = run_update(spec, timeout_s=u.timeout_s)
-            parts = _publish(staging, ctx.output_dir)
-        return StageOutput(parts=parts, stats={k: float(v) for k, v in metrics.items()})
+            spec = _spec(ctx, scratch)
+            metrics = run_update(spec, timeout_s=ctx.cfg.update.timeout_s)
+            parts = _publish_dir(Path(spec.policy_out), ctx.output_dir, prefix="")
+            extra_parts = {"logprobs": _publish_dir(Path(scratch) / "_logprobs", ctx.output_dir, prefix="_logprobs/")}
+            if spec.trainer_state_out is not None:  # not in the manifest: keep-last-K deletes it later
+                state_files = _publish_dir(Path(spec.trainer_state_out), ctx.output_dir, prefix=f"{TRAINER_STATE_DIR}/")
+                logger.info("saved the optimizer state (%d files, %.1f MB) under %s", len(state_files),
+                            sum(p.num_bytes for p in state_files) / 1e6, join(ctx.output_dir, TRAINER_STATE_DIR))
+        logger.info("published policy checkpoint (%d files) to %s", len(parts), ctx.output_dir)
+        return StageOutput(parts=parts, stats={k: float(v) for k, v in metrics.items()}, extra_parts=extra_parts)
 
 
-def _local_part(uri: str, scratch: str) -> str:
+def _spec(ctx: StageContext, scratch: str):
+    """The UpdateSpec for this iteration, with every input made local."""
+    from batchrl.trainer import UpdateSpec
+
+    u, cfg = ctx.cfg.update, ctx.cfg
+    files = [_local_file(join(ctx.input_dirs["advantages"], p.name), scratch, "advantages")
+             for p in ctx.inputs["advantages"].parts]
+    keeps_state = u.keep_last_k_optimizer_states != 0
+    return UpdateSpec(
+        policy_in=local_copy(ctx.policy_in), policy_out=str(Path(scratch) / "policy"), advantages_files=files,
+        metrics_path=str(Path(scratch) / "metrics.json"), num_processes=u.num_processes, backend=u.backend,
+        lr=u.lr, weight_decay=u.weight_decay, max_grad_norm=u.max_grad_norm, clip_ratio_low=u.clip_ratio_low,
+        clip_ratio_high=u.clip_ratio_high, dual_clip_ratio=u.dual_clip_ratio, policy_loss=u.policy_loss,
+        loss_agg_mode=u.loss_agg_mode, loss_agg_norm_length=_norm_length(cfg), micro_batch_size=u.micro_batch_size,
+        max_tokens_per_micro_batch=u.max_tokens_per_micro_batch, ppo_mini_batch_size=u.ppo_mini_batch_size,
+        ppo_epochs=u.ppo_epochs, seed=cfg.run.seed + (ctx.iteration or 0),
+        dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32", old_logprobs=u.old_logprobs,
+        entropy_coeff=u.entropy_coeff, kl_loss_coef=u.kl_loss_coef, kl_estimator=u.kl_estimator,
+        reference_policy=local_copy(cfg.model.path) if u.kl_loss_coef > 0 else None, rollout_is_cap=u.rollout_is_cap,
+        lr_schedule=u.lr_schedule, lr_warmup_steps=u.lr_warmup_steps, lr_warmup_ratio=u.lr_warmup_ratio,
+        min_lr_ratio=u.min_lr_ratio, lr_total_steps=u.lr_total_steps, num_iterations=_schedule_iterations(cfg) or 1,
+        cpu_offload=u.cpu_offload, gradient_checkpointing=u.gradient_checkpointing,
+        trainer_state_in=_previous_trainer_state(ctx, scratch) if keeps_state else None,
+        trainer_state_out=str(Path(scratch) / TRAINER_STATE_DIR) if keeps_state else None,
+        logprobs_out=str(Path(scratch) / LOGPROBS_PART))
+
+
+def _schedule_iterations(cfg: PipelineConfig) -> int | None:
+    """run.iterations when the lr schedule's length depends on it, else None: extending a run with a constant
+    lr (or a fixed lr_total_steps) must not invalidate the iterations already done."""
+    u = cfg.update
+    if u.lr_total_steps is None and (u.lr_schedule == "cosine" or u.lr_warmup_ratio > 0):
+        return cfg.run.iterations
+    return None
+
+
+def _norm_length(cfg: PipelineConfig) -> int | None:
+    if cfg.update.loss_agg_mode != "seq-mean-token-sum-norm":
+        return None
+    return cfg.update.loss_agg_norm_length or cfg.generate.max_new_tokens
+
+
+def _previous_trainer_state(ctx: StageContext, scratch: str) -> str | None:
+    """The optimizer state saved next to this iteration's input policy (iterations > 0), made local."""
+    if not ctx.iteration:
+        return None  # iteration 0 starts from model.path with fresh optimizer moments
+    uri = join(ctx.policy_in, TRAINER_STATE_DIR)
+    fs, path = resolve(uri)
+    if not fs.exists(resolve(join(uri, "trainer_state.json"))[1]):
+        logger.warning("iteration %d: no optimizer state under %s (deleted, or written with "
+                       "keep_last_k_optimizer_states=0); AdamW restarts from zero moments", ctx.iteration, uri)
+        return None
+    if is_local(uri):
+        return uri.removeprefix("file://")
+    target = Path(scratch) / "trainer_state_in"
+    for remote in fs.find(path):
+        local = target / remote[len(path.rstrip("/")) + 1:]
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(local))
+    return str(target)
+
+
+def _prune_trainer_states(ctx: StageContext) -> None:
+    """Delete optimizer states of iterations before the K most recent completed ones (never policies)."""
+    keep = ctx.cfg.update.keep_last_k_optimizer_states
+    if keep is None or not ctx.iteration:
+        return
+    for old_iteration in range(0, ctx.iteration - max(keep, 1)):
+        uri = join(ctx.layout.table_dir("policy", old_iteration), TRAINER_STATE_DIR)
+        fs, path = resolve(uri)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+            logger.info("deleted the optimizer state of iteration %d (%s)", old_iteration, uri)
+
+
+def _local_file(uri: str, scratch: str, subdir: str) -> str:
     if is_local(uri):
         return uri.removeprefix("file://")
     fs, path = resolve(uri)
-    target = os.path.join(scratch, "advantages", path.rsplit("/", 1)[-1])
+    target = os.path.join(scratch, subdir, path.rsplit("/", 1)[-1])
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fs.get_file(path, target)
     return target
 
 
-def _publish(staging: Path, output_dir: str) -> list[PartInfo]:
-    """Copies the checkpoint files into the policy directory; returns them as manifest parts."""
-    import hashlib
-
+def _publish_dir(local_dir: Path, output_dir: str, *, prefix: str) -> list[PartInfo]:
+    """Copies every file under local_dir to output_dir/prefix...; returns them as manifest parts."""
     parts = []
-    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-        relative = path.relative_to(staging).as_posix()
+    for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+        relative = prefix + path.relative_to(local_dir).as_posix()
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
         upload_file(str(path), join(output_dir, relative))
         parts.append(PartInfo(name=relative, rows=0, sha256=digest.hexdigest(), num_bytes=path.stat().st_size))
-    shutil.rmtree(staging, ignore_errors=True)
-    logger.info("published policy checkpoint (%d files) to %s", len(parts), output_dir)
+    shutil.rmtree(local_dir, ignore_errors=True)
     return parts

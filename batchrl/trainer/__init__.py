@@ -1,7 +1,10 @@
 """FSDP2 policy update: `run_update(UpdateSpec(...))` trains on an advantages table and writes a checkpoint.
 
 `spec` is the serialisable job description, `launch` starts one process per rank and waits for them,
-`worker` is what each rank runs. Importing this package does not import torch.
+`worker` is what each rank runs. Its pieces: `data` (the advantages table and micro-batch tensors),
+`batching` (mini-batch and token-budget micro-batch plans), `schedule` (lr per optimizer step) and
+`checkpoint` (HF policy, optimizer state for exact resume, the log-probs table).
+Importing this package does not import torch.
 """
 
 from batchrl.trainer.launch import run_update

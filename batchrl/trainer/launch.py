@@ -37,6 +37,7 @@ def run_update(spec: UpdateSpec, *, timeout_s: float | None = None) -> dict[str,
     """
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0 (or None for no limit)")
+    _check_gpu_only_options(spec)
     Path(spec.metrics_path).unlink(missing_ok=True)  # never return a previous run's metrics
     with tempfile.TemporaryDirectory(prefix="batchrl-update-") as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -57,6 +58,20 @@ def run_update(spec: UpdateSpec, *, timeout_s: float | None = None) -> dict[str,
         logger.info("update finished in %.1f s on %d process(es)", time.perf_counter() - started, len(workers))
     with open(spec.metrics_path, encoding="utf-8") as f:
         return {name: float(value) for name, value in json.load(f).items()}
+
+
+def _check_gpu_only_options(spec: UpdateSpec) -> None:
+    """CPU offload moves GPU-resident shards to host memory: meaningless (and unsupported) without CUDA."""
+    if not spec.cpu_offload:
+        return
+    import torch
+
+    if spec.backend == "gloo" or not torch.cuda.is_available():
+        raise ValueError(
+            "update.cpu_offload=true needs CUDA GPUs and the nccl backend (this machine has "
+            f"{'no CUDA' if not torch.cuda.is_available() else 'backend=gloo'}); on CPU the parameters already "
+            "live in host memory. Set update.cpu_offload=false"
+        )
 
 
 def _free_port() -> int:

@@ -3,77 +3,80 @@
 Why a separate process per rank (started by `launch.run_update`, later by Ray): FSDP needs one process per
 device, and a crashed or NaN update must not take the pipeline driver down with it.
 
-What one update does (PPO-clip, as in GRPO):
-1. Every rank reads the whole advantages table (so all ranks agree on global counts and on validation
-   failures), sorts it by (prompt_id, sample_idx) and keeps rows[rank::world_size].
-2. Rows become right-padded micro-batches of prompt+response ids. Position t of the shifted arrays predicts
-   token t+1; only response tokens are in the loss mask. Ranks pad their micro-batch list with empty
-   micro-batches to the same length, because every FSDP forward/backward is a collective.
-3. Old log-probs are recomputed by a no-grad pass of the pre-update policy (once, before the first epoch)
-   or taken from the rollout engine.
-4. Each epoch is ONE optimizer step over the whole table (one mini-batch), with gradient accumulation over
-   micro-batches. Token losses are divided by the GLOBAL token/sequence counts, so the per-rank losses sum
-   to the single-process loss; FSDP is told to SUM (not average) gradients across ranks, so the gradient
-   equals the single-process gradient for any world size and no world-size factor appears in the loss.
+What one update does (PPO-clip or GSPO, as in GRPO):
+1. Every rank reads the whole advantages table, sorted by (prompt_id, sample_idx), so all ranks agree on
+   validation failures and can compute the same batching plan for every rank (`batching`) without talking.
+2. Pre-update log-probs, once, before any step: the old (behaviour) policy's, by a no-grad pass of the
+   loaded policy (or taken from the rollout engine), and the frozen reference model's when the KL loss is
+   on (the reference is loaded, sharded with FSDP too, used for this one pass and freed before training).
+   Ranks compute disjoint samples and share them with one all-reduce of a flat per-token buffer.
+3. Each epoch shuffles the prompt groups into mini-batches; one optimizer step per mini-batch, with
+   gradient accumulation over token-budget (or fixed-count) micro-batches. Token losses are divided by the
+   mini-batch's GLOBAL token/sequence counts, so the per-rank losses sum to the single-process loss; FSDP
+   is told to SUM (not average) gradients across ranks, so the gradient equals the single-process gradient
+   for any world size. Ranks with fewer micro-batches run empty ones: every FSDP forward/backward is a
+   collective.
+4. loss = pg_loss (x truncated IS weights) - entropy_coeff * entropy + kl_loss_coef * kl(policy, ref),
+   all aggregated with the same mode; the lr follows the schedule of the global optimizer step.
 5. A non-finite loss or gradient norm aborts the update (non-zero exit) before the optimizer step and
    before anything is written.
-6. Rank 0 writes the full float32 state dict as an HF checkpoint into a temporary sibling directory and
-   renames it onto `policy_out`, then writes the metrics JSON.
+6. The optimizer state (sharded, DCP) and the HF checkpoint are written; rank 0 writes the metrics last.
 
-Departures from verl: no dynamic (token-budget) batching yet; dropout is off (eval mode) so that the
-recomputed old log-probs equal the first epoch's log-probs exactly (ratio = 1 at the first step).
+Departures from verl: dropout is off (eval mode) so that the recomputed old log-probs equal the first
+step's log-probs exactly (ratio = 1 at the first step); with gradient checkpointing the decoder layers alone
+are put in training mode, which is what transformers checks before checkpointing. Right-padded micro-batches
+instead of verl's padding-free packed sequences (see `batching`).
 """
 
 from __future__ import annotations
 
-import json
+import gc
 import logging
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
+from batchrl.algorithms.kl import kl_penalty
 from batchrl.algorithms.losses import (
     aggregate_token_losses,
     approx_kl,
     entropy_from_logits,
+    gspo_token_losses,
     ppo_clip_token_losses,
     token_logprobs,
+    truncated_is_weights,
 )
+from batchrl.trainer.batching import mini_batches, plan_micro_batches
+from batchrl.trainer.checkpoint import (
+    load_trainer_state,
+    save_policy,
+    save_trainer_state,
+    write_json_atomic,
+    write_logprobs,
+)
+from batchrl.trainer.data import (
+    MicroBatch,
+    Samples,
+    check_advantages,
+    check_token_ids,
+    collate,
+    read_advantages,
+    samples_from_table,
+    scatter_response_values,
+)
+from batchrl.trainer.schedule import lr_at_step, resolve_warmup_steps
 from batchrl.trainer.spec import UpdateSpec
 
 logger = logging.getLogger(__name__)
 
-ADVANTAGE_COLUMNS = (
-    "prompt_id",
-    "sample_idx",
-    "prompt_token_ids",
-    "response_token_ids",
-    "response_logprobs",
-    "advantage",
-)
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Tensors of one forward/backward. L = padded sequence length, T = L - 1 (next-token positions)."""
-
-    input_ids_BL: torch.Tensor  # [batch, seq_len] prompt + response, right-padded
-    attention_mask_BL: torch.Tensor  # [batch, seq_len] 1 on real tokens
-    labels_BT: torch.Tensor  # [batch, seq_len - 1] the token each position predicts
-    response_mask_BT: torch.Tensor  # [batch, seq_len - 1] True where the predicted token is a response token
-    advantages_BT: torch.Tensor  # [batch, seq_len - 1] the sample's advantage on its response tokens
-    rollout_logprobs_BT: torch.Tensor  # [batch, seq_len - 1] engine log-probs on response tokens
+# Per-micro-batch sums, all-reduced once per optimizer step.
+SUM_NAMES = ("loss", "pg_loss", "kl_loss", "clipped_tokens", "ppo_kl", "entropy", "is_weight", "padded", "real")
 
 
 @dataclass(frozen=True)
@@ -91,40 +94,48 @@ def init_distributed(spec: UpdateSpec) -> Dist:
     backend = spec.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if spec.cpu_offload and backend != "nccl":
+        raise ValueError("cpu_offload=True needs GPUs (the nccl backend); on CPU the parameters already live in "
+                         "host memory. Set update.cpu_offload=false")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend=backend)
+    # On GPU, gloo serves the collectives on CPU tensors: DCP's object gathers and, with CPU offload, the
+    # gradient-norm reduction over host-resident shards.
+    dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend)
     logger.info("rank %d/%d joined (%s on %s)", dist.get_rank(), dist.get_world_size(), backend, device)
     return Dist(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
 
 
-def load_policy(spec: UpdateSpec):
-    """Load the policy in float32 (the master weights) and its tokenizer, on CPU; FSDP moves the shards."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(path: str, *, gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """Load an HF causal LM in float32 (the master weights) on CPU; FSDP moves the shards."""
+    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec.policy_in, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
-    tokenizer = AutoTokenizer.from_pretrained(spec.policy_in)
-    return model, tokenizer
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
-def shard_policy(model: torch.nn.Module, *, ctx: Dist, compute_dtype: str) -> None:
+def shard_model(model: torch.nn.Module, *, ctx: Dist, compute_dtype: str, cpu_offload: bool) -> None:
     """FSDP2: one shard group per decoder layer, then the root (embeddings, final norm, tied lm_head).
 
-    Gradients are SUMMED across ranks (force-sum, divide factor 1): the loss already carries the global
+    bfloat16 compute: parameters are all-gathered and used in bf16, gradients reduced in fp32, master weights
+    fp32. Gradients are SUMMED across ranks (force-sum, divide factor 1): the loss already carries the global
     normalisation, and plain sums work on every backend (gloo has no AVG / pre-multiplied sum).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     mp_policy = MixedPrecisionPolicy()
     if compute_dtype == "bfloat16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(
@@ -132,120 +143,38 @@ def shard_policy(model: torch.nn.Module, *, ctx: Dist, compute_dtype: str) -> No
             "laid out like Llama/Qwen2 (model.model.layers[i])"
         )
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
 
 
-# ------------------------------------------------------------------------------------------- data
+def set_dropout_free_mode(model: torch.nn.Module) -> int:
+    """eval() everywhere (no dropout), then training mode on the checkpointed decoder layers only.
 
+    transformers checkpoints a layer only when `layer.gradient_checkpointing and layer.training`; the layer's
+    submodules (attention, MLP, their dropout) stay in eval mode. Returns the number of checkpointed layers.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
-def read_advantages(paths: list[str]) -> pa.Table:
-    """All advantages parts as one table sorted by (prompt_id, sample_idx), so every rank sees one order."""
-    tables = []
-    for path in paths:
-        schema_names = pq.read_schema(path).names
-        missing = [c for c in ADVANTAGE_COLUMNS if c not in schema_names]
-        if missing:
-            raise ValueError(f"{path} lacks advantages-table columns {missing}; pass the advantage stage's output")
-        tables.append(pq.read_table(path, columns=list(ADVANTAGE_COLUMNS)))
-    table = pa.concat_tables(tables, promote_options="permissive")
-    return table.sort_by([("prompt_id", "ascending"), ("sample_idx", "ascending")])
-
-
-def check_advantages(table: pa.Table, *, old_logprobs: str) -> None:
-    """User-data errors caught before any compute: non-finite advantages, mismatched logprob lists."""
-    advantages_N = table.column("advantage").to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
-    bad = np.flatnonzero(~np.isfinite(advantages_N))
-    if bad.size:
-        first = table.slice(int(bad[0]), 1).to_pylist()[0]
-        raise ValueError(
-            f"{bad.size} of {table.num_rows} advantages are NaN/inf (first: prompt_id={first['prompt_id']!r}, "
-            f"sample_idx={first['sample_idx']}); fix the advantage stage output (e.g. a std of 0 in a group)"
-        )
-    if old_logprobs == "rollout":
-        num_tokens = pc.list_value_length(table.column("response_token_ids"))
-        num_logprobs = pc.list_value_length(table.column("response_logprobs"))
-        if not pc.all(pc.equal(num_tokens, num_logprobs)).as_py():
-            raise ValueError(
-                "response_logprobs and response_token_ids differ in length for some rows; old_logprobs='rollout' "
-                "needs one engine logprob per response token (or use old_logprobs='recompute')"
-            )
-
-
-def check_token_ids(table: pa.Table, *, vocab_size: int) -> None:
-    """Ids outside the embedding table mean the rollouts came from another tokenizer/model."""
-    for column in ("prompt_token_ids", "response_token_ids"):
-        ids = pc.list_flatten(table.column(column))
-        if len(ids) == 0:
-            continue
-        low, high = pc.min_max(ids).values()
-        if low.as_py() < 0 or high.as_py() >= vocab_size:
-            raise ValueError(
-                f"{column} holds ids in [{low.as_py()}, {high.as_py()}] but the policy's vocabulary has "
-                f"{vocab_size} entries; the rollouts must come from this policy's tokenizer"
-            )
-
-
-def _collate(rows: list[dict], *, pad_token_id: int) -> MicroBatch:
-    """Right-pad prompt+response; an empty row list gives a one-row, fully masked batch."""
-    rows = rows or [{"prompt_token_ids": [], "response_token_ids": [], "response_logprobs": [], "advantage": 0.0}]
-    seq_len = max(2, max(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in rows))
-    input_ids_BL = torch.full((len(rows), seq_len), pad_token_id, dtype=torch.long)
-    attention_mask_BL = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    is_response_BL = torch.zeros((len(rows), seq_len), dtype=torch.bool)
-    advantages_BL = torch.zeros((len(rows), seq_len), dtype=torch.float32)
-    rollout_logprobs_BL = torch.zeros((len(rows), seq_len), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        prompt, response = row["prompt_token_ids"], row["response_token_ids"]
-        start, end = len(prompt), len(prompt) + len(response)
-        input_ids_BL[i, :end] = torch.tensor(prompt + response, dtype=torch.long)
-        attention_mask_BL[i, :end] = 1
-        is_response_BL[i, start:end] = True
-        advantages_BL[i, start:end] = float(row["advantage"])
-        logprobs = row["response_logprobs"] or []
-        rollout_logprobs_BL[i, start : start + len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
-    # Position t predicts token t + 1; a response token at position 0 (empty prompt) has no predictor.
-    return MicroBatch(
-        input_ids_BL=input_ids_BL,
-        attention_mask_BL=attention_mask_BL,
-        labels_BT=input_ids_BL[:, 1:],
-        response_mask_BT=is_response_BL[:, 1:],
-        advantages_BT=advantages_BL[:, 1:],
-        rollout_logprobs_BT=rollout_logprobs_BL[:, 1:],
-    )
-
-
-def build_micro_batches(
-    rows: list[dict], *, micro_batch_size: int, num_micro_batches: int, pad_token_id: int, device: torch.device
-) -> list[MicroBatch]:
-    """`num_micro_batches` micro-batches (the max over ranks); the ones past this rank's rows are empty."""
-    micro_batches = []
-    for index in range(num_micro_batches):
-        chunk = rows[index * micro_batch_size : (index + 1) * micro_batch_size]
-        micro_batch = _collate(chunk, pad_token_id=pad_token_id)
-        micro_batches.append(MicroBatch(**{k: v.to(device) for k, v in vars(micro_batch).items()}))
-    return micro_batches
-
-
-def global_counts(micro_batches: list[MicroBatch], *, device: torch.device) -> tuple[int, int]:
-    """(response tokens, sequences with at least one response token) over all ranks."""
-    counts = torch.zeros(2, dtype=torch.int64, device=device)
-    for mb in micro_batches:
-        tokens_per_seq_B = mb.response_mask_BT.sum(-1)
-        counts[0] += tokens_per_seq_B.sum()
-        counts[1] += (tokens_per_seq_B > 0).sum()
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    num_tokens, num_seqs = (int(c) for c in counts.tolist())
-    if num_tokens == 0:
-        raise ValueError("the advantages table has no response tokens to train on; every response is empty")
-    return num_tokens, num_seqs
+    model.eval()
+    checkpointed = 0
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
+            module.training = True
+            checkpointed += 1
+    return checkpointed
 
 
 # ---------------------------------------------------------------------------------------- compute
+
+
+def micro_batch_budget(spec: UpdateSpec) -> dict[str, int | None]:
+    if spec.max_tokens_per_micro_batch is not None:
+        return {"max_tokens": spec.max_tokens_per_micro_batch}
+    return {"max_samples": spec.micro_batch_size}
 
 
 def policy_logprobs(
@@ -260,78 +189,165 @@ def policy_logprobs(
 
 
 @torch.no_grad()
-def recompute_old_logprobs(model: torch.nn.Module, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
-    """Log-probs of the pre-update policy (the behaviour policy of PPO's ratio), one tensor per micro-batch.
+def logprob_pass(
+    models: dict[str, torch.nn.Module], samples: Samples, *, spec: UpdateSpec, ctx: Dist, pad_token_id: int
+) -> dict[str, np.ndarray]:
+    """Flat per-token log-probs of every sample under each named model (no grad), identical on every rank.
 
-    FSDP2 keeps the root's parameters unsharded after a forward (it expects a backward next); with no
-    backward coming we reshard explicitly, so the module again exposes the sharded parameters that the
-    optimizer updates.
+    Each rank computes its share of the samples into a zero buffer; one SUM all-reduce (x + 0 = x, exact)
+    gives every rank every value. A model named twice runs once. FSDP2 keeps the root's parameters unsharded
+    after a forward (it expects a backward next); with no backward coming we reshard explicitly.
     """
-    old_logprobs = [policy_logprobs(model, mb, entropy_grad=False)[0].detach() for mb in micro_batches]
-    model.reshard()
-    return old_logprobs
+    names = list(models)
+    buffer = torch.zeros((len(names), int(samples.response_offsets_N1[-1])), dtype=torch.float32, device=ctx.device)
+    plan = plan_micro_batches(samples.lengths_N, world_size=ctx.world_size, **micro_batch_budget(spec))
+    for indices in plan[ctx.rank]:
+        mb = collate(samples, indices, pad_token_id=pad_token_id, device=ctx.device)
+        by_model: dict[int, torch.Tensor] = {}
+        for row, name in enumerate(names):
+            model = models[name]
+            if id(model) not in by_model:
+                by_model[id(model)] = policy_logprobs(model, mb, entropy_grad=False)[0]
+            scatter_response_values(by_model[id(model)], mb, samples, out_flat=buffer[row])
+    for model in {id(m): m for m in models.values()}.values():
+        model.reshard()
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    return {name: buffer[row].cpu().numpy() for row, name in enumerate(names)}
+
+
+def pre_update_logprobs(
+    policy: torch.nn.Module, samples: Samples, *, spec: UpdateSpec, ctx: Dist, pad_token_id: int
+) -> dict[str, np.ndarray]:
+    """The flat per-token arrays the loss needs: "old" always, "ref" with the KL loss, "rollout" with IS.
+
+    The reference is the policy itself when both name the same checkpoint (iteration 0), else it is loaded,
+    sharded like the policy, used for this pass and freed.
+    """
+    values: dict[str, np.ndarray] = {}
+    if spec.old_logprobs == "rollout" or spec.rollout_is_cap is not None:
+        values["rollout"] = samples.flat_rollout_logprobs()
+    models: dict[str, torch.nn.Module] = {}
+    if spec.old_logprobs == "recompute":
+        models["old"] = policy
+    reference = None
+    if spec.kl_loss_coef > 0:
+        if same_checkpoint(spec.reference_policy, spec.policy_in):
+            models["ref"] = policy
+        else:
+            reference = load_model(spec.reference_policy).requires_grad_(False)
+            shard_model(reference, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=spec.cpu_offload)
+            reference.eval()
+            models["ref"] = reference
+    if models:
+        values |= logprob_pass(models, samples, spec=spec, ctx=ctx, pad_token_id=pad_token_id)
+    if spec.old_logprobs == "rollout":  # (the spec rejects rollout_is_cap with rollout old log-probs)
+        values["old"] = values.pop("rollout")
+    if reference is not None:
+        del models["ref"], reference
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return values
+
+
+def same_checkpoint(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return False
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+
+def pg_token_losses(
+    logprobs_BT: torch.Tensor, mb: MicroBatch, *, spec: UpdateSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pg_losses_BT, is_clipped_BT) of the configured policy loss, truncated-IS weighted when asked."""
+    old_logprobs_BT, mask_BT = mb.token_values_BT["old"], mb.response_mask_BT
+    clip = dict(clip_ratio_low=spec.clip_ratio_low, clip_ratio_high=spec.clip_ratio_high)
+    if spec.policy_loss == "gspo":
+        pg_losses_BT, is_clipped_BT, _ = gspo_token_losses(logprobs_BT, old_logprobs_BT, mb.advantages_BT, mask_BT,
+                                                           **clip)
+    else:
+        pg_losses_BT, is_clipped_BT, _ = ppo_clip_token_losses(
+            logprobs_BT, old_logprobs_BT, mb.advantages_BT, dual_clip_ratio=spec.dual_clip_ratio, **clip
+        )
+    return pg_losses_BT, is_clipped_BT
 
 
 def micro_batch_backward(
-    model: torch.nn.Module,
-    mb: MicroBatch,
-    old_logprobs_BT: torch.Tensor,
-    *,
-    spec: UpdateSpec,
-    num_tokens: int,
-    num_seqs: int,
+    model: torch.nn.Module, mb: MicroBatch, *, spec: UpdateSpec, num_tokens: int, num_seqs: int
 ) -> torch.Tensor:
-    """Forward + backward of one micro-batch's share of the global loss; returns this share's metric sums
-    [pg_loss, clipped tokens, kl sum, entropy sum] (float64) for the all-reduce."""
-    agg = dict(mode=spec.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=max(num_seqs, 1))
-    logprobs_BT, entropy_BT = policy_logprobs(model, mb, entropy_grad=spec.entropy_coeff > 0)
-    pg_losses_BT, is_clipped_BT, _ = ppo_clip_token_losses(
-        logprobs_BT,
-        old_logprobs_BT,
-        mb.advantages_BT,
-        clip_ratio_low=spec.clip_ratio_low,
-        clip_ratio_high=spec.clip_ratio_high,
-    )
+    """Forward + backward of one micro-batch's share of the mini-batch loss; returns its SUM_NAMES sums."""
+    agg = dict(mode=spec.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=max(num_seqs, 1),
+               norm_length=spec.loss_agg_norm_length)
     mask_BT = mb.response_mask_BT
+    logprobs_BT, entropy_BT = policy_logprobs(model, mb, entropy_grad=spec.entropy_coeff > 0)
+    pg_losses_BT, is_clipped_BT = pg_token_losses(logprobs_BT, mb, spec=spec)
+    is_weights_BT = mask_BT.float()
+    if spec.rollout_is_cap is not None:
+        is_weights_BT = truncated_is_weights(mb.token_values_BT["old"], mb.token_values_BT["rollout"], mask_BT,
+                                             cap=spec.rollout_is_cap)
+        pg_losses_BT = pg_losses_BT * is_weights_BT
     pg_loss = aggregate_token_losses(pg_losses_BT, mask_BT, **agg)
     loss = pg_loss
     if spec.entropy_coeff > 0:
         loss = loss - spec.entropy_coeff * aggregate_token_losses(entropy_BT, mask_BT, **agg)
+    kl_loss = torch.zeros((), device=pg_loss.device)
+    if spec.kl_loss_coef > 0:
+        kl_BT = kl_penalty(logprobs_BT, mb.token_values_BT["ref"], estimator=spec.kl_estimator)
+        kl_loss = aggregate_token_losses(kl_BT, mask_BT, **agg)
+        loss = loss + spec.kl_loss_coef * kl_loss
     loss.backward()
-    kl_sum = approx_kl(logprobs_BT.detach(), old_logprobs_BT, mask_BT) * mask_BT.sum()
-    return torch.stack(
-        [
-            pg_loss.detach().double(),
-            (is_clipped_BT & mask_BT).sum().double(),
-            kl_sum.double(),
-            entropy_BT.detach().masked_fill(~mask_BT, 0).sum().double(),
-        ]
-    )
+    ppo_kl_sum = approx_kl(logprobs_BT.detach(), mb.token_values_BT["old"], mask_BT) * mask_BT.sum()
+    real_tokens = mb.attention_mask_BL.sum() if mb.indices else torch.zeros((), device=pg_loss.device)
+    padded = mb.input_ids_BL.numel() if mb.indices else 0
+    return torch.stack([
+        loss.detach().double(),
+        pg_loss.detach().double(),
+        kl_loss.detach().double(),
+        (is_clipped_BT & mask_BT).sum().double(),
+        ppo_kl_sum.double(),
+        entropy_BT.detach().masked_fill(~mask_BT, 0).sum().double(),
+        is_weights_BT.masked_fill(~mask_BT, 0).sum().double(),
+        torch.tensor(float(padded), dtype=torch.float64, device=pg_loss.device),
+        real_tokens.double(),
+    ])
 
 
-def ppo_step(
+def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro_batches: list[MicroBatch],
-    old_logprobs: list[torch.Tensor],
+    samples: Samples,
+    indices: np.ndarray,
+    token_values: dict[str, np.ndarray],
     *,
     spec: UpdateSpec,
-    num_tokens: int,
-    num_seqs: int,
-) -> dict[str, float]:
-    """One optimizer step over all micro-batches (gradient accumulation); returns global metrics."""
+    ctx: Dist,
+    pad_token_id: int,
+    lr: float,
+) -> dict[str, float] | None:
+    """One optimizer step on the mini-batch `indices` (gradient accumulation); None if it has no loss tokens."""
+    loss_tokens = samples.loss_tokens_N[indices]
+    num_tokens, num_seqs = int(loss_tokens.sum()), int((loss_tokens > 0).sum())
+    if num_tokens == 0:
+        logger.warning("a mini-batch of %d samples has no response tokens; no optimizer step for it", len(indices))
+        return None
+    plan = plan_micro_batches(samples.lengths_N[indices], world_size=ctx.world_size, **micro_batch_budget(spec))
     optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(4, dtype=torch.float64, device=micro_batches[0].input_ids_BL.device)
-    for mb, old_logprobs_BT in zip(micro_batches, old_logprobs):
-        sums += micro_batch_backward(
-            model, mb, old_logprobs_BT, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs
-        )
+    sums = torch.zeros(len(SUM_NAMES), dtype=torch.float64, device=ctx.device)
+    for k, chunk in enumerate(plan[ctx.rank]):
+        if ctx.world_size == 1 and not spec.cpu_offload:  # one rank: sharded = unsharded, skip per-micro-batch copies
+            model.set_requires_gradient_sync(k == len(plan[ctx.rank]) - 1)
+        mb = collate(samples, [int(indices[j]) for j in chunk], pad_token_id=pad_token_id, device=ctx.device,
+                     token_values=token_values)
+        sums += micro_batch_backward(model, mb, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    pg_loss_value = float(sums[0])
-    if not math.isfinite(pg_loss_value):
+    total = dict(zip(SUM_NAMES, sums.tolist()))
+    if not math.isfinite(total["loss"]):
         raise FloatingPointError(
-            f"policy loss is {pg_loss_value} (NaN/inf); aborting before the optimizer step. Check the advantages "
-            "table and, with old_logprobs='rollout', the engine logprobs for NaN/inf values"
+            f"policy loss is {total['loss']} (NaN/inf; pg_loss={total['pg_loss']}, kl_loss={total['kl_loss']}); "
+            "aborting before the optimizer step. Check the advantages table and, with old_logprobs='rollout' or "
+            "rollout_is_cap, the engine logprobs for NaN/inf values"
         )
     grad_norm = clip_gradients(model, max_grad_norm=spec.max_grad_norm)
     if not math.isfinite(grad_norm):
@@ -339,14 +355,23 @@ def ppo_step(
             f"gradient norm is {grad_norm} (NaN/inf); aborting before the optimizer step. Lower lr or check "
             "the inputs for extreme values"
         )
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     optimizer.step()
-    return {
-        "actor/pg_loss": pg_loss_value,
-        "actor/pg_clipfrac": float(sums[1]) / num_tokens,
-        "actor/ppo_kl": float(sums[2]) / num_tokens,
-        "actor/entropy": float(sums[3]) / num_tokens,
+    metrics = {
+        "actor/pg_loss": total["pg_loss"],
+        "actor/pg_clipfrac": total["clipped_tokens"] / num_tokens,
+        "actor/ppo_kl": total["ppo_kl"] / num_tokens,
+        "actor/entropy": total["entropy"] / num_tokens,
         "actor/grad_norm": grad_norm,
+        "perf/padded_tokens": total["padded"],
+        "perf/real_tokens": total["real"],
     }
+    if spec.kl_loss_coef > 0:
+        metrics["actor/kl_loss"] = total["kl_loss"]
+    if spec.rollout_is_cap is not None:
+        metrics["actor/rollout_is_weight_mean"] = total["is_weight"] / num_tokens
+    return metrics
 
 
 def clip_gradients(model: torch.nn.Module, *, max_grad_norm: float) -> float:
@@ -358,48 +383,57 @@ def clip_gradients(model: torch.nn.Module, *, max_grad_norm: float) -> float:
     return float(total_norm)
 
 
-# ------------------------------------------------------------------------------------------ output
-
-
-def save_policy(model: torch.nn.Module, tokenizer, *, policy_out: str, rank: int) -> None:
-    """Gather the full state dict (a collective) and let rank 0 write it, then rename it into place."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # Tied weights (lm_head = embed_tokens) come out as separate copies; keep only the first name, as HF does.
-    unique_names = {name for name, _ in model.named_parameters()}
-    for alias in {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique_names:
-        state_dict.pop(alias, None)
-    if rank == 0:
-        out_dir = Path(policy_out)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        model.save_pretrained(str(tmp_dir), state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp_dir))
-        replace_dir(tmp_dir, out_dir)
-        logger.info("saved policy to %s", out_dir)
-    dist.barrier()
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move src onto dst by rename; an existing dst is renamed away first and deleted after."""
-    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def write_json_atomic(path: str, payload: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = f"{path}.tmp-{os.getpid()}"
-    with open(tmp_path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-    os.replace(tmp_path, path)
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Samples,
+    token_values: dict[str, np.ndarray],
+    *,
+    spec: UpdateSpec,
+    ctx: Dist,
+    pad_token_id: int,
+    start_step: int,
+) -> tuple[list[dict[str, float]], int]:
+    """All epochs x mini-batches; returns each step's metrics and the global step after the last one."""
+    batches = dict(groups_per_mini_batch=spec.ppo_mini_batch_size, seed=spec.seed)
+    steps_per_update = spec.ppo_epochs * len(mini_batches(samples.group_N, epoch=0, **batches))
+    total_steps = spec.lr_total_steps or spec.num_iterations * steps_per_update
+    schedule = dict(lr=spec.lr, schedule=spec.lr_schedule, total_steps=total_steps, min_lr_ratio=spec.min_lr_ratio,
+                    warmup_steps=resolve_warmup_steps(warmup_steps=spec.lr_warmup_steps,
+                                                      warmup_ratio=spec.lr_warmup_ratio, total_steps=total_steps))
+    step, step_metrics = start_step, []
+    for epoch in range(spec.ppo_epochs):
+        for indices in mini_batches(samples.group_N, epoch=epoch, **batches):
+            lr, started = lr_at_step(step, **schedule), time.perf_counter()
+            metrics = optimizer_step(model, optimizer, samples, indices, token_values, spec=spec, ctx=ctx,
+                                     pad_token_id=pad_token_id, lr=lr)
+            if metrics is None:
+                continue
+            step_metrics.append(metrics | {"actor/lr": lr, "perf/step_time_s": time.perf_counter() - started})
+            step += 1
+            logger.info("epoch %d, step %d: %s", epoch, step, metrics)
+    if not step_metrics:
+        raise ValueError("the advantages table has no response tokens to train on; every response is empty")
+    return step_metrics, step
 
 
 # -------------------------------------------------------------------------------------------- main
+
+
+def summarize(step_metrics: list[dict[str, float]], *, spec: UpdateSpec, global_step: int) -> dict[str, float]:
+    """Means over optimizer steps of the per-step metrics; the last lr; the fastest step; token totals."""
+    summed = {"perf/padded_tokens", "perf/real_tokens"}
+    metrics = {name: sum(m[name] for m in step_metrics) / len(step_metrics)
+               for name in step_metrics[0] if name not in summed | {"actor/lr"}}
+    metrics |= {name: sum(m[name] for m in step_metrics) for name in summed}
+    metrics["actor/lr"] = step_metrics[-1]["actor/lr"]
+    metrics["perf/step_time_min_s"] = min(m["perf/step_time_s"] for m in step_metrics)
+    metrics["perf/padding_ratio"] = metrics["perf/padded_tokens"] / max(metrics["perf/real_tokens"], 1.0)
+    metrics["actor/num_optimizer_steps"] = float(len(step_metrics))
+    metrics["actor/global_step"] = float(global_step)
+    if spec.kl_loss_coef > 0:
+        metrics["actor/kl_coef"] = spec.kl_loss_coef
+    return metrics
 
 
 def run(spec: UpdateSpec) -> dict[str, float] | None:
@@ -408,50 +442,46 @@ def run(spec: UpdateSpec) -> dict[str, float] | None:
     torch.manual_seed(spec.seed)
     start = time.perf_counter()
     table = read_advantages(spec.advantages_files)
-    check_advantages(table, old_logprobs=spec.old_logprobs)
-    model, tokenizer = load_policy(spec)
+    check_advantages(table, needs_rollout_logprobs=spec.old_logprobs == "rollout" or spec.rollout_is_cap is not None)
+    samples = samples_from_table(table)
+    model = load_model(spec.policy_in, gradient_checkpointing=spec.gradient_checkpointing)
     check_token_ids(table, vocab_size=model.get_input_embeddings().num_embeddings)
-    shard_policy(model, ctx=ctx, compute_dtype=spec.dtype)
-    model.eval()  # no dropout: recomputed old log-probs equal the first epoch's log-probs
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.policy_in)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    shard_model(model, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=spec.cpu_offload)
+    set_dropout_free_mode(model)
     # Built before any forward: only then does model.parameters() yield the sharded DTensors for every module.
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    start_step = 0
+    if spec.trainer_state_in is not None:
+        start_step = load_trainer_state(model, optimizer, in_dir=spec.trainer_state_in)
     load_time = time.perf_counter() - start
 
-    rows = table.take(np.arange(ctx.rank, table.num_rows, ctx.world_size, dtype=np.int64)).to_pylist()
-    num_micro_batches = torch.tensor(-(-len(rows) // spec.micro_batch_size), device=ctx.device)
-    dist.all_reduce(num_micro_batches, op=dist.ReduceOp.MAX)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    micro_batches = build_micro_batches(
-        rows,
-        micro_batch_size=spec.micro_batch_size,
-        num_micro_batches=max(1, int(num_micro_batches)),
-        pad_token_id=pad_token_id,
-        device=ctx.device,
-    )
-    num_tokens, num_seqs = global_counts(micro_batches, device=ctx.device)
-
-    update_start = time.perf_counter()
-    if spec.old_logprobs == "recompute":
-        old_logprobs = recompute_old_logprobs(model, micro_batches)
-    else:
-        old_logprobs = [mb.rollout_logprobs_BT for mb in micro_batches]
-    epoch_metrics = []
-    for epoch in range(spec.ppo_epochs):
-        step_metrics = ppo_step(
-            model, optimizer, micro_batches, old_logprobs, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs
-        )
-        logger.info("epoch %d: %s", epoch, step_metrics)
-        epoch_metrics.append(step_metrics)
-    update_time = time.perf_counter() - update_start
+    logprob_start = time.perf_counter()
+    token_values = pre_update_logprobs(model, samples, spec=spec, ctx=ctx, pad_token_id=pad_token_id)
+    if ctx.rank == 0 and spec.logprobs_out is not None:
+        write_logprobs(samples, old_flat=token_values["old"], ref_flat=token_values.get("ref"),
+                       loss_tokens_N=samples.loss_tokens_N, path=spec.logprobs_out)
+    train_start = time.perf_counter()
+    step_metrics, global_step = train(model, optimizer, samples, token_values, spec=spec, ctx=ctx,
+                                      pad_token_id=pad_token_id, start_step=start_step)
+    train_time = time.perf_counter() - train_start
 
     save_start = time.perf_counter()
+    if spec.trainer_state_out is not None:
+        save_trainer_state(model, optimizer, out_dir=spec.trainer_state_out, global_step=global_step, rank=ctx.rank)
     save_policy(model, tokenizer, policy_out=spec.policy_out, rank=ctx.rank)
-    metrics = {name: sum(m[name] for m in epoch_metrics) / len(epoch_metrics) for name in epoch_metrics[0]}
+    metrics = summarize(step_metrics, spec=spec, global_step=global_step)
     metrics |= {
-        "actor/lr": spec.lr,
-        "perf/num_tokens": float(num_tokens),
-        "perf/num_samples": float(table.num_rows),
-        "perf/update_time_s": update_time,
+        "actor/optimizer_state_restored": float(spec.trainer_state_in is not None),
+        "perf/num_tokens": float(samples.loss_tokens_N.sum()),
+        "perf/num_samples": float(samples.num_samples),
+        "perf/update_time_s": save_start - logprob_start,
+        "perf/logprob_time_s": train_start - logprob_start,
+        "perf/train_time_s": train_time,
+        "perf/train_tokens_per_s": metrics["perf/real_tokens"] / max(train_time, 1e-9),
         "perf/load_time_s": load_time,
         "perf/save_time_s": time.perf_counter() - save_start,
     }

@@ -1,6 +1,8 @@
 """The FSDP2 policy update, run for real in subprocesses on a tiny Qwen2 (gloo on CPU).
 
-The core claim: 2 processes produce the same weights as 1 (global loss normalisation + summed gradients).
+The core claim: 2 processes produce the same weights as 1 (global loss normalisation per mini-batch + summed
+gradients), both for plain PPO and with everything on (mini-batches, token-budget micro-batches, GSPO, KL to
+a separate reference, truncated IS, lr schedule, gradient checkpointing).
 Each update starts 1-2 fresh Python processes (~3-5 s each), so runs are shared through a module cache.
 """
 
@@ -102,29 +104,63 @@ def advantages_files(workdir, vocab_size) -> list[str]:
     return write_advantages(synthetic_rows(vocab_size=vocab_size), workdir / "advantages")
 
 
+@pytest.fixture(scope="module")
+def perturbed_policy(workdir, tiny_policy) -> Path:
+    """tiny_policy with every weight moved by N(0, 0.02): a policy that differs from its reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_policy), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    out = workdir / "perturbed"
+    model.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(tiny_policy)).save_pretrained(str(out))
+    return out
+
+
+# "ppo": the whole table as one mini-batch, fixed-count micro-batches, PPO-clip with dual clip, entropy bonus.
+# "full": 2 mini-batches of 2 prompts x 2 epochs, token-budget micro-batches, GSPO, KL to a separate reference,
+# truncated IS, warmup + cosine lr, gradient checkpointing.
+CONFIGS = {
+    "ppo": dict(micro_batch_size=2, ppo_epochs=2, entropy_coeff=0.01, loss_agg_mode="token-mean", dual_clip_ratio=3.0),
+    "full": dict(
+        ppo_mini_batch_size=2,
+        ppo_epochs=2,
+        max_tokens_per_micro_batch=40,
+        policy_loss="gspo",
+        loss_agg_mode="seq-mean-token-mean",
+        kl_loss_coef=0.1,
+        rollout_is_cap=2.0,
+        lr_schedule="cosine",
+        lr_warmup_steps=2,
+        gradient_checkpointing=True,
+    ),
+}
 _RUNS: dict[tuple, tuple[dict, Path]] = {}
 
 
 @pytest.fixture(scope="module")
-def update(workdir, tiny_policy, advantages_files):
-    """update(num_processes, loss_agg_mode) -> (metrics, policy_out); each configuration runs once."""
+def update(workdir, tiny_policy, perturbed_policy, advantages_files):
+    """update(num_processes, config) -> (metrics, policy_out); each configuration runs once."""
 
-    def _update(num_processes: int, loss_agg_mode: str) -> tuple[dict, Path]:
-        key = (num_processes, loss_agg_mode)
+    def _update(num_processes: int, config: str) -> tuple[dict, Path]:
+        key = (num_processes, config)
         if key not in _RUNS:
-            name = f"{loss_agg_mode}-{num_processes}proc"
+            name = f"{config}-{num_processes}proc"
+            options = dict(CONFIGS[config])
+            if options.get("kl_loss_coef"):
+                options["reference_policy"] = str(tiny_policy)
             spec = UpdateSpec(
-                policy_in=str(tiny_policy),
+                policy_in=str(perturbed_policy if config == "full" else tiny_policy),
                 policy_out=str(workdir / name / "policy"),
                 advantages_files=advantages_files,
                 metrics_path=str(workdir / name / "metrics.json"),
                 num_processes=num_processes,
                 backend="gloo",
                 lr=LR,
-                micro_batch_size=2,
-                ppo_epochs=2,
-                entropy_coeff=0.01,
-                loss_agg_mode=loss_agg_mode,
+                **options,
             )
             _RUNS[key] = (run_update(spec, timeout_s=TIMEOUT_S), Path(spec.policy_out))
         return _RUNS[key]
@@ -152,7 +188,7 @@ def test_update_spec_round_trips_through_json_and_rejects_unknown_choices(tmp_pa
 def test_one_update_changes_every_weight_and_saves_a_checkpoint_that_reloads(update, tiny_policy, advantages_files):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    metrics, policy_out = update(1, "token-mean")
+    metrics, policy_out = update(1, "ppo")
 
     before, after = load_weights(tiny_policy), load_weights(policy_out)
     assert before.keys() == after.keys()
@@ -170,17 +206,31 @@ def test_one_update_changes_every_weight_and_saves_a_checkpoint_that_reloads(upd
     assert metrics["actor/lr"] == LR and metrics["actor/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
-def test_two_gloo_processes_train_the_same_weights_as_one(update, loss_agg_mode):
-    metrics_1, policy_1 = update(1, loss_agg_mode)
-    metrics_2, policy_2 = update(2, loss_agg_mode)
+@pytest.mark.parametrize("config", ["ppo", "full"])
+def test_two_gloo_processes_train_the_same_weights_as_one(update, config):
+    metrics_1, policy_1 = update(1, config)
+    metrics_2, policy_2 = update(2, config)
 
     weights_1, weights_2 = load_weights(policy_1), load_weights(policy_2)
     max_abs_diff = max((weights_1[name] - weights_2[name]).abs().max().item() for name in weights_1)
-    print(f"{loss_agg_mode}: max |w_1proc - w_2proc| = {max_abs_diff:.3g}")
+    print(f"{config}: max |w_1proc - w_2proc| = {max_abs_diff:.3g}")
     assert max_abs_diff <= 1e-5
-    for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac"):
+    names = ["actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac"]
+    if config == "full":
+        names += ["actor/kl_loss", "actor/rollout_is_weight_mean"]
+    for name in names:
         assert metrics_2[name] == pytest.approx(metrics_1[name], rel=1e-4, abs=1e-6), name
+
+
+def test_each_epoch_takes_one_optimizer_step_per_mini_batch_of_prompts(update):
+    metrics, _ = update(1, "full")  # 4 prompts in mini-batches of 2, 2 epochs
+
+    assert metrics["actor/num_optimizer_steps"] == 4 and metrics["actor/global_step"] == 4
+    assert metrics["actor/kl_loss"] > 0 and metrics["actor/kl_coef"] == 0.1  # the reference differs from the policy
+    assert 0 < metrics["actor/rollout_is_weight_mean"] <= 2.0
+    # warmup (1/3, 2/3 of lr) then cosine over the remaining 2 steps: the last step is at half of lr
+    assert metrics["actor/lr"] == pytest.approx(LR * 0.5)
+    assert 1.0 <= metrics["perf/padding_ratio"] <= 1.3
 
 
 def test_a_nan_advantage_aborts_every_rank_and_writes_no_policy(tmp_path, tiny_policy, vocab_size):

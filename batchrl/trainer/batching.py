@@ -1,0 +1,137 @@
+"""Which samples go into which optimizer step, rank and micro-batch: pure functions of sample lengths.
+
+Why plan everything from lengths alone: every rank reads the whole advantages table, so every rank can
+compute the same plan for all ranks without communicating. That gives, for free, what the collectives
+need to agree on: the number of micro-batches (ranks with fewer get empty ones, because every FSDP
+forward/backward is a collective) and the global token and sequence counts that normalise the loss.
+
+- Mini-batches (`mini_batches`): like verl's `ppo_mini_batch_size`, counted in PROMPTS (groups). Each
+  epoch shuffles the groups with a generator seeded by (seed, epoch), then cuts them into consecutive
+  mini-batches of `groups_per_mini_batch`; the last one may be smaller. One optimizer step per mini-batch.
+- Micro-batches (`plan_micro_batches`): the samples of one mini-batch are sorted by length (longest first),
+  cut into runs of similar length (minimising padded tokens plus a small cost per micro-batch), and the
+  micro-batches are dealt to ranks longest-processing-time first (each to the rank with the least padded
+  tokens so far). Sorting keeps similar lengths together, so right-padding wastes little; dealing by cost
+  keeps the ranks' work balanced.
+  Two limits: a TOKEN BUDGET (`max_tokens`: rows x padded length <= budget, verl's dynamic batch size), or a
+  fixed COUNT of samples per micro-batch (`max_samples`).
+
+Departures from verl's dynamic batch size: verl removes padding (packed, "rmpad" sequences) and its budget
+counts real tokens; here micro-batches are right-padded [rows, length] tensors and the budget counts
+PADDED tokens (rows x longest row), which is what bounds activation memory. A sample longer than the budget
+gets a micro-batch of its own instead of an error (with a warning), so one long sample cannot abort a run.
+In fixed-count mode micro-batches hold `max_samples` samples (per rank, as before) and are dealt the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# The fixed cost of one more micro-batch (kernel launches, FSDP all-gathers), as a fraction of a full budget.
+MICRO_BATCH_OVERHEAD = 1 / 32
+
+
+def mini_batches(
+    group_of_sample_N: Sequence[int], *, groups_per_mini_batch: int | None, seed: int, epoch: int
+) -> list[np.ndarray]:
+    """Sample indices of each mini-batch of one epoch, groups shuffled by a generator seeded (seed, epoch).
+
+    `group_of_sample_N[i]` is the group (prompt) number of sample i. None = one mini-batch with every sample.
+    Samples keep their table order inside a mini-batch; a group is never split.
+    """
+    group_of_sample_N = np.asarray(group_of_sample_N, dtype=np.int64)
+    if groups_per_mini_batch is not None and groups_per_mini_batch < 1:
+        raise ValueError(f"groups_per_mini_batch={groups_per_mini_batch} must be >= 1 (or None for one mini-batch)")
+    groups = np.unique(group_of_sample_N)
+    if groups_per_mini_batch is None or groups_per_mini_batch >= len(groups):
+        return [np.arange(len(group_of_sample_N))]
+    shuffled = np.random.default_rng([seed, epoch]).permutation(groups)
+    batches = []
+    for start in range(0, len(shuffled), groups_per_mini_batch):
+        chosen = np.isin(group_of_sample_N, shuffled[start : start + groups_per_mini_batch])
+        batches.append(np.flatnonzero(chosen))
+    return batches
+
+
+def plan_micro_batches(
+    lengths_N: Sequence[int],
+    *,
+    world_size: int,
+    max_tokens: int | None = None,
+    max_samples: int | None = None,
+) -> list[list[list[int]]]:
+    """plan[rank][k] = the sample indices (into lengths_N) of rank's k-th micro-batch.
+
+    Exactly one of `max_tokens` (padded-token budget per micro-batch) and `max_samples` (samples per
+    micro-batch) is given. Every rank gets the same number of micro-batches (at least one); the extra
+    ones are empty lists. Deterministic: ties are broken by sample index and by rank.
+    """
+    if (max_tokens is None) == (max_samples is None):
+        raise ValueError("pass exactly one of max_tokens (token budget) and max_samples (fixed count)")
+    if world_size < 1 or (max_tokens is not None and max_tokens < 1) or (max_samples is not None and max_samples < 1):
+        raise ValueError(f"world_size={world_size}, max_tokens={max_tokens}, max_samples={max_samples} must be >= 1")
+    lengths_N = np.asarray(lengths_N, dtype=np.int64)
+    order = sorted(range(len(lengths_N)), key=lambda i: (-int(lengths_N[i]), i))  # longest first
+    if max_tokens is not None:
+        chunks = _cut_by_token_budget(order, lengths_N, max_tokens=max_tokens)
+    else:
+        chunks = [order[start : start + max_samples] for start in range(0, len(order), max_samples)]
+    plan: list[list[list[int]]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for chunk in sorted(chunks, key=lambda c: (-padded_tokens(c, lengths_N), c[0])):
+        rank = min(range(world_size), key=lambda r: (load[r], len(plan[r]), r))
+        plan[rank].append(chunk)
+        load[rank] += padded_tokens(chunk, lengths_N)
+    num_micro_batches = max(1, max(len(micro_batches) for micro_batches in plan))
+    return [micro_batches + [[] for _ in range(num_micro_batches - len(micro_batches))] for micro_batches in plan]
+
+
+def _cut_by_token_budget(order: list[int], lengths_N: np.ndarray, *, max_tokens: int) -> list[list[int]]:
+    """Split `order` (longest first) into consecutive runs with rows x first length <= max_tokens.
+
+    Among all such splits, the one minimising padded tokens + MICRO_BATCH_OVERHEAD x micro-batches (dynamic
+    programming over the sorted lengths). Greedy filling would minimise the count alone, but at a long tail
+    it puts one long sample with many much shorter ones and pads them all to its length.
+    """
+    sorted_lengths = np.maximum(lengths_N[order], 1)
+    num = len(order)
+    overhead = MICRO_BATCH_OVERHEAD * max_tokens
+    best = np.full(num + 1, np.inf)  # best[j]: cost of splitting the first j samples
+    best[0], start_of = 0.0, np.zeros(num + 1, dtype=np.int64)
+    for end in range(1, num + 1):
+        # A run [start, end) pads to sorted_lengths[start] >= sorted_lengths[end - 1]: at most this many rows fit.
+        first = max(0, end - max(1, max_tokens // int(sorted_lengths[end - 1])))
+        rows = end - np.arange(first, end)
+        costs = best[first:end] + rows * sorted_lengths[first:end] + overhead
+        costs[(rows * sorted_lengths[first:end] > max_tokens) & (rows > 1)] = np.inf  # a lone long sample is allowed
+        start_of[end] = first + int(np.argmin(costs))
+        best[end] = costs[start_of[end] - first]
+    chunks, end = [], num
+    while end > 0:
+        chunks.append(order[start_of[end] : end])
+        end = start_of[end]
+    too_long = int((lengths_N[order] > max_tokens).sum())
+    if too_long:
+        logger.warning(
+            "%d sample(s) are longer than max_tokens_per_micro_batch=%d (longest %d tokens); each gets a micro-batch "
+            "of its own. Raise the budget if that runs out of memory", too_long, max_tokens, int(lengths_N.max())
+        )
+    return chunks[::-1]
+
+
+def padded_tokens(indices: Sequence[int], lengths_N: np.ndarray) -> int:
+    """Tokens of the right-padded [rows, longest row] tensor of these samples."""
+    return len(indices) * max((int(lengths_N[i]) for i in indices), default=0)
+
+
+def padding_ratio(plan: list[list[list[int]]], lengths_N: Sequence[int]) -> float:
+    """Padded tokens / real tokens over all non-empty micro-batches of a plan (1.0 = no padding)."""
+    lengths_N = np.asarray(lengths_N, dtype=np.int64)
+    chunks = [chunk for micro_batches in plan for chunk in micro_batches if chunk]
+    real = sum(int(lengths_N[i]) for chunk in chunks for i in chunk)
+    return sum(padded_tokens(chunk, lengths_N) for chunk in chunks) / max(real, 1)

@@ -1,0 +1,224 @@
+"""The trainer's in-process pieces: mini-batch and micro-batch planning, the lr schedule, tensor layout,
+gradient checkpointing, and the option checks that must fail before any process starts."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from batchrl.trainer import UpdateSpec, run_update
+from batchrl.trainer.batching import mini_batches, padded_tokens, padding_ratio, plan_micro_batches
+from batchrl.trainer.schedule import lr_at_step, resolve_warmup_steps
+
+# ------------------------------------------------------------------------------------ mini-batches
+
+
+def test_mini_batches_hold_whole_prompt_groups_and_reshuffle_each_epoch():
+    group_N = np.repeat(np.arange(10), 4)  # 10 prompts x 4 samples
+    epoch_0 = mini_batches(group_N, groups_per_mini_batch=3, seed=7, epoch=0)
+    epoch_1 = mini_batches(group_N, groups_per_mini_batch=3, seed=7, epoch=1)
+
+    assert [len(b) for b in epoch_0] == [12, 12, 12, 4]  # 3 + 3 + 3 + 1 prompts
+    assert sorted(np.concatenate(epoch_0).tolist()) == list(range(40))
+    for batch in epoch_0:
+        groups = set(group_N[batch].tolist())
+        assert len(batch) == 4 * len(groups)  # no group is split
+    assert [b.tolist() for b in epoch_0] == [b.tolist() for b in mini_batches(group_N, groups_per_mini_batch=3,
+                                                                                seed=7, epoch=0)]
+    assert [b.tolist() for b in epoch_0] != [b.tolist() for b in epoch_1]
+
+
+def test_no_mini_batch_size_or_one_covering_every_prompt_gives_one_mini_batch_in_table_order():
+    group_N = np.repeat(np.arange(3), 2)
+    for size in (None, 3, 100):
+        (only,) = mini_batches(group_N, groups_per_mini_batch=size, seed=0, epoch=5)
+        assert only.tolist() == list(range(6))
+
+
+# ----------------------------------------------------------------------------------- micro-batches
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_token_budget_micro_batches_stay_within_budget_and_place_every_sample_once(world_size):
+    lengths_N = np.random.default_rng(world_size).integers(5, 300, 97)
+    plan = plan_micro_batches(lengths_N, world_size=world_size, max_tokens=1024)
+
+    assert len(plan) == world_size
+    assert len({len(micro_batches) for micro_batches in plan}) == 1  # every rank runs the same count
+    placed = [i for micro_batches in plan for chunk in micro_batches for i in chunk]
+    assert sorted(placed) == list(range(97))
+    assert all(padded_tokens(chunk, lengths_N) <= 1024 for micro_batches in plan for chunk in micro_batches)
+    loads = [sum(padded_tokens(chunk, lengths_N) for chunk in micro_batches) for micro_batches in plan]
+    assert max(loads) - min(loads) <= 1024  # dealt longest-first to the least loaded rank
+
+
+def test_a_sample_longer_than_the_budget_gets_a_micro_batch_of_its_own():
+    plan = plan_micro_batches([60, 8, 300, 9], world_size=1, max_tokens=100)
+    assert plan == [[[2], [0], [3, 1]]]  # longest first; 60 + 9 would pad to 120 tokens
+
+
+def test_one_long_sample_is_not_padded_together_with_many_short_ones():
+    lengths_N = [100] + [10] * 9  # filling greedily would pad all ten to 100 tokens (1000 for 190 real)
+    assert plan_micro_batches(lengths_N, world_size=1, max_tokens=1000) == [[[0], list(range(1, 10))]]
+
+
+def test_ranks_with_fewer_micro_batches_get_empty_ones():
+    plan = plan_micro_batches([10, 10, 10], world_size=2, max_samples=1)
+    assert sorted(len(m) for m in plan) == [2, 2]
+    assert sum(chunk == [] for micro_batches in plan for chunk in micro_batches) == 1
+    assert plan_micro_batches([], world_size=2, max_samples=4) == [[[]], [[]]]
+
+
+def test_token_budget_packing_keeps_padding_within_ten_percent_on_realistic_lengths():
+    """Prompt ~ N(180, 40) tokens, responses log-normal (median ~300, long tail to the 2048 cap): GSM8K-like."""
+    rng = np.random.default_rng(0)
+    prompts = rng.normal(180, 40, 1024).clip(30, 512)
+    responses = np.exp(rng.normal(np.log(300), 0.7, 1024)).clip(1, 2048)
+    lengths_N = (prompts + responses).astype(int)
+    budget_plan = plan_micro_batches(lengths_N, world_size=2, max_tokens=16384)
+    unsorted_plan = [[list(range(r * 512 + k, r * 512 + k + 8)) for k in range(0, 512, 8)] for r in range(2)]
+
+    assert padding_ratio(budget_plan, lengths_N) <= 1.1
+    assert padding_ratio(unsorted_plan, lengths_N) > 1.5  # what fixed micro-batches in table order would waste
+
+
+def test_exactly_one_micro_batch_limit_must_be_given():
+    with pytest.raises(ValueError, match="exactly one"):
+        plan_micro_batches([1, 2], world_size=1)
+    with pytest.raises(ValueError, match="exactly one"):
+        plan_micro_batches([1, 2], world_size=1, max_tokens=10, max_samples=2)
+
+
+# ------------------------------------------------------------------------------------- lr schedule
+
+
+def test_linear_warmup_then_constant_lr_takes_these_values():
+    lrs = [lr_at_step(s, lr=1.0, schedule="constant", warmup_steps=3, total_steps=10) for s in range(5)]
+    assert lrs == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_cosine_lr_decays_from_lr_to_the_floor_at_the_last_step():
+    lrs = [lr_at_step(s, lr=2.0, schedule="cosine", warmup_steps=0, total_steps=4, min_lr_ratio=0.1)
+           for s in (0, 1, 2, 4, 9)]
+    expected = [2.0, 2 * (0.1 + 0.45 * (1 + math.cos(math.pi / 4))), 2 * 0.55, 0.2, 0.2]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    with_warmup = [lr_at_step(s, lr=1.0, schedule="cosine", warmup_steps=2, total_steps=4) for s in range(4)]
+    assert with_warmup == pytest.approx([1 / 3, 2 / 3, 1.0, 0.5])
+
+
+def test_warmup_ratio_counts_a_fraction_of_the_total_steps_unless_steps_are_given():
+    assert resolve_warmup_steps(warmup_steps=0, warmup_ratio=0.1, total_steps=45) == 4
+    assert resolve_warmup_steps(warmup_steps=7, warmup_ratio=0.0, total_steps=45) == 7
+
+
+# ------------------------------------------------------------------------------- tensor layout
+
+
+def test_collate_then_scatter_returns_each_response_token_value_to_its_place():
+    from batchrl.trainer.data import Samples, collate, scatter_response_values
+
+    prompts, responses = [[5, 6], [], [7]], [[8, 9, 10], [11, 12], []]
+    offsets = np.array([0, 3, 5, 5])
+    samples = Samples(prompt_ids=["a", "b", "c"], sample_idx=[0, 0, 0], prompt_token_ids=prompts,
+                      response_token_ids=responses, rollout_logprobs=[[], [], []], advantages_N=np.array([1.0, -1, 2]),
+                      group_N=np.arange(3), response_offsets_N1=offsets)
+    flat = np.array([-1, -2, -3, -4, -5], dtype=np.float32)
+    mb = collate(samples, [1, 0, 2], pad_token_id=0, device=torch.device("cpu"), token_values={"old": flat})
+
+    # row 1 is sample 0: prompt [5, 6] predicts 8 at position 1, 9 at 2, 10 at 3
+    assert mb.labels_BT[1].tolist() == [6, 8, 9, 10]
+    assert mb.response_mask_BT[1].tolist() == [False, True, True, True]
+    assert mb.token_values_BT["old"][1].tolist() == [0, -1, -2, -3]
+    # row 0 is sample 1 (empty prompt): its first response token has no predictor
+    assert mb.response_mask_BT[0].tolist() == [True, False, False, False]
+    assert samples.loss_tokens_N.tolist() == [3, 1, 0]
+    out = torch.zeros(5)
+    scatter_response_values(mb.token_values_BT["old"], mb, samples, out_flat=out)
+    assert out.tolist() == [-1, -2, -3, 0, -5]  # the unpredictable token reads 0
+
+
+# ------------------------------------------------------------------------- gradient checkpointing
+
+
+def test_gradient_checkpointing_recomputes_each_decoder_layer_in_backward_and_keeps_dropout_off(tmp_path):
+    from batchrl.toy import build_toy_model
+    from batchrl.trainer.worker import load_model, set_dropout_free_mode
+
+    build_toy_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, seed=0)
+    input_ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for checkpointing in (False, True):
+        model = load_model(str(tmp_path / "m"), gradient_checkpointing=checkpointing)
+        assert set_dropout_free_mode(model) == (2 if checkpointing else 0)
+        calls = []
+        for layer in model.model.layers:
+            assert not layer.self_attn.training  # attention dropout stays off
+            layer.self_attn.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        model(input_ids=input_ids).logits.float().logsumexp(-1).sum().backward()
+        assert len(calls) == (4 if checkpointing else 2)  # each layer's attention ran again in backward
+        grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------- option checks
+
+
+def _spec(**options) -> UpdateSpec:
+    options = {"metrics_path": "m.json", **options}
+    return UpdateSpec(policy_in="in", policy_out="out", advantages_files=["a.parquet"], **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on machines without CUDA")
+def test_cpu_offload_is_rejected_on_cpu_before_any_process_starts(tmp_path):
+    from batchrl.config.models import UpdateConfig
+
+    with pytest.raises(ValueError, match="cpu_offload"):
+        _spec(cpu_offload=True, backend="gloo")
+    with pytest.raises(ValueError, match="cpu_offload.*needs CUDA"):
+        run_update(_spec(cpu_offload=True, metrics_path=str(tmp_path / "m.json")), timeout_s=10)
+    with pytest.raises(ValueError, match="cpu_offload"):
+        UpdateConfig(cpu_offload=True, backend="gloo")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(rollout_is_cap=2.0, old_logprobs="rollout"), "rollout_is_cap"),
+        (dict(dual_clip_ratio=3.0, policy_loss="gspo"), "dual_clip_ratio"),
+        (dict(lr_warmup_steps=3, lr_warmup_ratio=0.1), "warmup"),
+    ],
+)
+def test_contradictory_update_options_are_rejected_by_config_and_spec(options, message):
+    from pydantic import ValidationError
+
+    from batchrl.config.models import UpdateConfig
+
+    with pytest.raises(ValidationError, match=message):
+        UpdateConfig(**options)
+    with pytest.raises(ValueError, match=message):
+        _spec(**options)
+
+
+def test_kl_loss_needs_a_reference_and_sum_norm_needs_a_length():
+    with pytest.raises(ValueError, match="reference_policy"):
+        _spec(kl_loss_coef=0.1)
+    with pytest.raises(ValueError, match="loss_agg_norm_length"):
+        _spec(loss_agg_mode="seq-mean-token-sum-norm")
+
+
+def test_the_spec_and_config_offer_exactly_the_algorithms_kl_estimators_and_aggregation_modes():
+    from typing import get_args
+
+    from batchrl.algorithms.kl import KL_ESTIMATORS
+    from batchrl.algorithms.losses import AGGREGATION_MODES
+    from batchrl.config.models import UpdateConfig
+    from batchrl.trainer import spec
+
+    assert spec.KL_ESTIMATORS == KL_ESTIMATORS
+    assert spec.LOSS_AGG_MODES == AGGREGATION_MODES
+    assert get_args(UpdateConfig.model_fields["kl_estimator"].annotation) == KL_ESTIMATORS
+    assert get_args(UpdateConfig.model_fields["loss_agg_mode"].annotation) == AGGREGATION_MODES

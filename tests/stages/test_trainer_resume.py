@@ -1,0 +1,204 @@
+"""Consecutive updates as one training run (optimizer state carried over), the KL loss against a hand
+computation, the recorded log-probs, bfloat16 mixed precision, and the stage's optimizer-state housekeeping.
+
+The carry-over runs use the engine's log-probs as the old policy (old_logprobs="rollout"), so an update of
+one epoch started from the previous update's policy and optimizer state must take exactly the step that
+the second epoch of a single two-epoch update takes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_trainer import load_weights, synthetic_rows, write_advantages
+
+from batchrl.trainer import UpdateSpec, run_update
+
+LR = 1e-3  # large enough that a step without Adam's carried moments lands visibly elsewhere
+TIMEOUT_S = 120
+COMMON = dict(backend="gloo", lr=LR, old_logprobs="rollout", kl_loss_coef=0.5, lr_warmup_steps=2,
+              max_tokens_per_micro_batch=64)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trainer_resume")
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(workdir) -> Path:
+    from batchrl.toy import build_toy_model
+
+    out = workdir / "policy_in"
+    build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def advantages_files(workdir, tiny_policy) -> list[str]:
+    from transformers import AutoConfig
+
+    vocab_size = AutoConfig.from_pretrained(str(tiny_policy)).vocab_size
+    return write_advantages(synthetic_rows(vocab_size=vocab_size, seed=3), workdir / "advantages")
+
+
+_RUNS: dict[str, tuple[dict, UpdateSpec]] = {}
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, tiny_policy, advantages_files):
+    """first: 1 epoch on 2 processes, saving its optimizer state; second: 1 epoch from first's policy and
+    state; fresh: the same without the state; both_epochs: 2 epochs in one update. Reference: tiny_policy."""
+
+    def spec(name: str, **options) -> UpdateSpec:
+        options = {"policy_in": str(tiny_policy), "reference_policy": str(tiny_policy), **COMMON, **options}
+        return UpdateSpec(policy_out=str(workdir / name / "policy"), advantages_files=advantages_files,
+                          metrics_path=str(workdir / name / "metrics.json"),
+                          logprobs_out=str(workdir / name / "logprobs.parquet"), **options)
+
+    def _run(name: str) -> tuple[dict, UpdateSpec]:
+        if name not in _RUNS:
+            first = workdir / "first"
+            specs = {
+                "first": lambda: spec("first", num_processes=2, trainer_state_out=str(first / "state")),
+                "second": lambda: spec("second", policy_in=str(_run("first")[1].policy_out),
+                                       trainer_state_in=str(first / "state")),
+                "fresh": lambda: spec("fresh", policy_in=str(_run("first")[1].policy_out)),
+                "both_epochs": lambda: spec("both_epochs", ppo_epochs=2),
+            }
+            update_spec = specs[name]()
+            _RUNS[name] = (run_update(update_spec, timeout_s=TIMEOUT_S), update_spec)
+        return _RUNS[name]
+
+    return _run
+
+
+def max_weight_diff(a: Path, b: Path) -> float:
+    weights_a, weights_b = load_weights(a), load_weights(b)
+    return max((weights_a[k] - weights_b[k]).abs().max().item() for k in weights_a)
+
+
+def test_two_updates_carrying_the_optimizer_state_equal_one_update_of_two_epochs(runs):
+    second_metrics, second = runs("second")
+    both_metrics, both = runs("both_epochs")
+    fresh_metrics, fresh = runs("fresh")
+
+    diff = max_weight_diff(Path(second.policy_out), Path(both.policy_out))
+    print(f"carried-over vs one run: max |w diff| = {diff:.3g}")
+    assert diff <= 1e-6
+    assert second_metrics["actor/optimizer_state_restored"] == 1 and second_metrics["actor/global_step"] == 2
+    assert second_metrics["actor/lr"] == pytest.approx(LR * 2 / 3)  # warmup continued at step 1, not restarted
+    assert fresh_metrics["actor/lr"] == pytest.approx(LR / 3)
+    assert max_weight_diff(Path(fresh.policy_out), Path(both.policy_out)) > 1e-4  # the state is what matters
+    assert sorted(p.name for p in Path(runs("first")[1].trainer_state_out).rglob("*")) == sorted(
+        ["optimizer", ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"])
+
+
+def test_the_kl_loss_is_zero_at_the_first_step_when_the_reference_is_the_policy(runs):
+    metrics, spec = runs("first")
+    assert metrics["actor/kl_loss"] == 0.0 and metrics["actor/kl_coef"] == 0.5
+    logprobs = pq.read_table(spec.logprobs_out).to_pylist()
+    assert all(row["ref_logprob_sum"] < 0 for row in logprobs if row["num_loss_tokens"])
+
+
+def policy_token_logprobs(policy_dir: str, row: dict) -> list[float]:
+    """log p(response token | prefix) under the policy, straight from transformers (float64 log-softmax)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    ids = row["prompt_token_ids"] + row["response_token_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    logprobs = torch.log_softmax(logits, -1)
+    start = len(row["prompt_token_ids"])
+    return [float(logprobs[t - 1, ids[t]]) for t in range(start, len(ids))]
+
+
+def test_the_kl_loss_and_the_recorded_logprobs_match_a_hand_computation(runs, tiny_policy, advantages_files):
+    metrics, spec = runs("second")  # policy = first's output, reference = tiny_policy: they differ
+    rows = [r for path in advantages_files for r in pq.read_table(path).to_pylist()]
+    recorded = {(r["prompt_id"], r["sample_idx"]): r for r in pq.read_table(spec.logprobs_out).to_pylist()}
+    kl_values = []
+    for row in rows:
+        if not row["response_token_ids"]:
+            continue
+        ref = policy_token_logprobs(str(tiny_policy), row)
+        policy = policy_token_logprobs(spec.policy_in, row)
+        kl_values += [math.exp(r - p) - (r - p) - 1 for p, r in zip(policy, ref)]  # k3 = low_var_kl here
+        record = recorded[(row["prompt_id"], row["sample_idx"])]
+        np.testing.assert_allclose(record["ref_logprobs"], ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(record["old_logprobs"], row["response_logprobs"], rtol=1e-6)  # old = rollout
+        assert record["ref_logprob_sum"] == pytest.approx(sum(ref), rel=1e-5)
+
+    assert metrics["actor/kl_loss"] == pytest.approx(sum(kl_values) / len(kl_values), rel=1e-4)  # token-mean
+
+
+def test_a_bfloat16_mixed_precision_update_trains_and_saves_float32_weights(workdir, tiny_policy, advantages_files):
+    from safetensors import safe_open
+
+    spec = UpdateSpec(policy_in=str(tiny_policy), policy_out=str(workdir / "bf16" / "policy"),
+                      advantages_files=advantages_files, metrics_path=str(workdir / "bf16" / "metrics.json"),
+                      backend="gloo", dtype="bfloat16", lr=LR, ppo_mini_batch_size=2, max_tokens_per_micro_batch=64)
+    metrics = run_update(spec, timeout_s=TIMEOUT_S)
+
+    assert all(math.isfinite(v) for v in metrics.values()) and metrics["actor/num_optimizer_steps"] == 2
+    assert max_weight_diff(tiny_policy, Path(spec.policy_out)) > LR / 2
+    with safe_open(f"{spec.policy_out}/model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+
+
+# ------------------------------------------------------------------------------ stage housekeeping
+
+
+def stage_context(tmp_path: Path, *, iteration: int, keep: int | None):
+    from batchrl.config.models import PipelineConfig
+    from batchrl.pipeline.stage import StageContext
+    from batchrl.storage import RunLayout
+
+    cfg = PipelineConfig(name="t", run={"root": str(tmp_path), "iterations": 5}, model={"path": "m"},
+                         data={"train_files": ["x.parquet"]}, update={"keep_last_k_optimizer_states": keep})
+    layout = RunLayout.for_run(str(tmp_path), "t")
+    return StageContext(cfg=cfg, layout=layout, iteration=iteration, output_dir=layout.table_dir("policy", iteration),
+                        fingerprint="f", inputs={}, input_dirs={}, policy_in=layout.table_dir("policy", iteration - 1))
+
+
+@pytest.mark.parametrize("keep, kept", [(1, [2]), (2, [1, 2]), (None, [0, 1, 2])])
+def test_an_update_deletes_optimizer_states_older_than_the_last_k_but_never_policies(tmp_path, keep, kept):
+    from batchrl.stages.update import _previous_trainer_state, _prune_trainer_states
+
+    ctx = stage_context(tmp_path, iteration=3, keep=keep)
+    for iteration in range(3):
+        policy = Path(ctx.layout.table_dir("policy", iteration))
+        (policy / "_trainer_state" / "optimizer").mkdir(parents=True)
+        (policy / "_trainer_state" / "trainer_state.json").write_text('{"global_step": 1}')
+        (policy / "model.safetensors").write_bytes(b"weights")
+
+    _prune_trainer_states(ctx)
+
+    states = [i for i in range(3) if Path(ctx.layout.table_dir("policy", i), "_trainer_state").exists()]
+    assert states == kept  # the state this update resumes from (iteration 2) always survives
+    assert all(Path(ctx.layout.table_dir("policy", i), "model.safetensors").exists() for i in range(3))
+    assert _previous_trainer_state(ctx, str(tmp_path)) == str(Path(ctx.policy_in) / "_trainer_state")
+    assert _previous_trainer_state(stage_context(tmp_path, iteration=0, keep=keep), str(tmp_path)) is None
+
+
+def test_extending_a_run_keeps_update_fingerprints_unless_the_lr_schedule_spans_the_run():
+    from batchrl.config.models import PipelineConfig
+    from batchrl.stages.update import UpdateStage
+
+    def fingerprint(iterations: int, **update) -> dict:
+        cfg = PipelineConfig(name="t", run={"iterations": iterations}, model={"path": "m"},
+                             data={"train_files": ["x.parquet"]}, update=update)
+        return UpdateStage().fingerprint_config(cfg)
+
+    assert fingerprint(2) == fingerprint(4)
+    assert fingerprint(2, lr_schedule="cosine", lr_total_steps=100) == fingerprint(4, lr_schedule="cosine",
+                                                                                 lr_total_steps=100)
+    assert fingerprint(2, lr_schedule="cosine") != fingerprint(4, lr_schedule="cosine")
+    assert fingerprint(2, keep_last_k_optimizer_states=1) == fingerprint(2, keep_last_k_optimizer_states=3)
+    assert fingerprint(2, keep_last_k_optimizer_states=1) != fingerprint(2, keep_last_k_optimizer_states=0)
