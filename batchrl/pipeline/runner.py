@@ -394,6 +394,8 @@ def iteration_metrics(plan: dict[tuple[str, int | None], PlannedStage], iteratio
     metrics["perf/num_samples"] = generate.counts.get("num_samples", 0)
     metrics["perf/throughput_gen_tokens_per_s"] = round(
         generate.counts.get("response_tokens", 0) / max(1e-9, metrics["timing_s/gen"]), 2)
+    # verl's perf/throughput: tokens through the whole step per second (response tokens here; one host).
+    metrics["perf/throughput"] = round(generate.counts.get("response_tokens", 0) / max(1e-9, step_time), 2)
     metrics["score/failed_samples"] = plan[("score", iteration)].manifest.counts.get("failed_samples", 0)
     advantage = plan[("advantage", iteration)].manifest
     metrics["critic/groups_all_equal"] = advantage.counts.get("groups_all_equal", 0)

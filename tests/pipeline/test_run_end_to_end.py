@@ -74,7 +74,8 @@ def check_run(run_dir: str) -> None:
     metrics_fs, metrics_path = resolve(f"{run_dir}/metrics.jsonl")
     lines = [json.loads(line) for line in metrics_fs.cat_file(metrics_path).decode().splitlines()]
     assert [m["iteration"] for m in lines] == list(range(ITERATIONS))
-    assert all("critic/score/mean" in m and "actor/pg_loss" in m and "timing_s/gen" in m for m in lines)
+    assert all("critic/score/mean" in m and "actor/pg_loss" in m and "timing_s/gen" in m and "perf/throughput" in m
+               for m in lines)
 
 
 def load_weights(local_dir: str):
