@@ -181,6 +181,14 @@ def _print_summary(summary) -> None:
 
     if summary.iterations:
         typer.echo(format_summary(summary.iterations))
+    if len(summary.evaluations) >= 2:  # held-out accuracy, first evaluated policy -> last
+        from batchrl.stages.evaluate import compare
+
+        first, last = summary.evaluations[0], summary.evaluations[-1]
+        name = "the initial policy" if first["iteration"] is None else f"iteration {first['iteration']}'s policy"
+        typer.echo(f"held-out evaluation, {name} -> iteration {last['iteration']}'s policy:")
+        for line in compare(first, last):
+            typer.echo(f"  {line}")
 
 
 def _fmt(value) -> str:

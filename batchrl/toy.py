@@ -21,6 +21,7 @@ Choices worth knowing:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -57,6 +58,8 @@ CHAT_TEMPLATE = (
 ARITH_DATA_SOURCE = "arith"
 ARITH_INSTRUCTION = "Answer with #### followed by the number."
 MAX_OPERAND = 50
+HELD_OUT_BUCKET = 26  # a question is held out when the first byte of its sha256 is below this (26/256 ~ 10%)
+ArithSplit = Literal["all", "train", "eval"]
 
 # What a tokenizer/model directory must hold to count as built.
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -83,10 +86,37 @@ VERL_PROMPT_SCHEMA = pa.schema(
 # ----------------------------------------------------------------------------------------- task
 
 
-def _arith_problems(*, num_prompts: int, seed: int) -> list[tuple[str, str]]:
-    """(question, answer) pairs; subtraction keeps a >= b so answers are non-negative integers."""
+def _arith_problems(*, num_prompts: int, seed: int, max_operand: int = MAX_OPERAND,
+                    split: ArithSplit = "all") -> list[tuple[str, str]]:
+    """(question, answer) pairs; subtraction keeps a >= b so answers are non-negative integers.
+
+    split "all" draws from every problem (duplicates possible); "train" only from problems outside the
+    held-out bucket (duplicates possible); "eval" only from inside it, without duplicates.
+    """
+    if split == "all":
+        return _draw_problems(np.random.default_rng(seed), num_prompts, max_operand)
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r} must be 'all', 'train' or 'eval'")
+    available = sum(is_held_out(q) == (split == "eval") for q, _ in all_arith_problems(max_operand=max_operand))
+    if split == "eval" and num_prompts > available:
+        raise ValueError(f"only {available} held-out problems have operands <= {max_operand}; "
+                         f"ask for at most that many eval prompts or raise max_operand")
     rng = np.random.default_rng(seed)
-    operands_N2 = rng.integers(0, MAX_OPERAND + 1, size=(num_prompts, 2))  # [num_prompts, 2]
+    problems: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    while len(problems) < num_prompts:
+        for question, answer in _draw_problems(rng, num_prompts, max_operand):
+            if is_held_out(question) != (split == "eval") or (split == "eval" and question in seen):
+                continue
+            seen.add(question)
+            problems.append((question, answer))
+            if len(problems) == num_prompts:
+                break
+    return problems
+
+
+def _draw_problems(rng: np.random.Generator, num_prompts: int, max_operand: int) -> list[tuple[str, str]]:
+    operands_N2 = rng.integers(0, max_operand + 1, size=(num_prompts, 2))  # [num_prompts, 2]
     is_sub_N = rng.random(num_prompts) < 0.5
     problems = []
     for (a, b), is_sub in zip(operands_N2.tolist(), is_sub_N.tolist()):
@@ -96,6 +126,28 @@ def _arith_problems(*, num_prompts: int, seed: int) -> list[tuple[str, str]]:
         else:
             problems.append((f"What is {a} + {b}? {ARITH_INSTRUCTION}", str(a + b)))
     return problems
+
+
+def all_arith_problems(*, max_operand: int = MAX_OPERAND) -> list[tuple[str, str]]:
+    """Every distinct (question, answer) of the task: a + b and a - b (a >= b) with operands 0..max_operand."""
+    problems = []
+    for a in range(max_operand + 1):
+        for b in range(max_operand + 1):
+            problems.append((f"What is {a} + {b}? {ARITH_INSTRUCTION}", str(a + b)))
+            if a >= b:
+                problems.append((f"What is {a} - {b}? {ARITH_INSTRUCTION}", str(a - b)))
+    return problems
+
+
+def is_held_out(question: str) -> bool:
+    """Whether a question is in the held-out bucket (~1 in 10 problems, fixed by a hash of its text)."""
+    return hashlib.sha256(question.encode()).digest()[0] < HELD_OUT_BUCKET
+
+
+def arith_demonstration(answer: str, *, graded_format: bool = True) -> str:
+    """An SFT demonstration's response: "#### n", or "#### n." as chatty models end it, which verl's strict
+    GSM8K scorer (and so the gsm8k reward) reads as the answer "n." and scores 0."""
+    return f"#### {answer}" if graded_format else f"#### {answer}."
 
 
 def _tokenizer_corpus() -> list[str]:
@@ -204,6 +256,94 @@ def build_toy_model(
     logger.info("built toy %s model (%d params) in %s", arch, model.num_parameters(), out_dir)
 
 
+# ------------------------------------------------------------------------------------------ sft
+
+
+def sft_warm_start(
+    model_dir: str | os.PathLike,
+    *,
+    num_steps: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    max_operand: int = MAX_OPERAND,
+    format_share: float = 1.0,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Supervised warm start, in place: teach the model to answer "#### <n>" then stop, on arithmetic demos.
+
+    Why: a random model never writes a parsable answer, so every reward is 0 and RL has nothing to push.
+    A short SFT on (question, "#### answer") demonstrations from the "train" split (never a held-out
+    question) teaches the format and some of the arithmetic; RL then has signal. Plain next-token
+    cross-entropy on the response tokens (eos included), AdamW at a constant lr after a short linear warmup
+    (measured: 1e-3 constant learns the sums steadily where 3e-3 with cosine decay plateaus), fresh
+    problems every step. With ``format_share`` < 1, only that share of the demonstrations end "#### n" and the
+    rest "#### n." (drawn per demonstration): the model then often writes the right number followed by a
+    period, which the strict reward scores 0 (verl's quirk), and RL has the grader's format to learn. The
+    number itself is computed in the same context either way, so the arithmetic carries over.
+    Returns {"sft/loss_first", "sft/loss_last"}: means over the first/last 10 steps.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if num_steps < 1:
+        raise ValueError(f"num_steps={num_steps} must be >= 1 (0 means: do not call sft_warm_start)")
+    if not 0.0 <= format_share <= 1.0:
+        raise ValueError(f"format_share={format_share} must be between 0 and 1")
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.train()
+    problems = _arith_problems(num_prompts=num_steps * batch_size, seed=seed + 1, max_operand=max_operand,
+                               split="train")
+    graded_N = np.random.default_rng(seed + 2).random(len(problems)) < format_share  # [num_steps * batch_size]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, min(20, num_steps // 10))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    losses = []
+    for step in range(num_steps):
+        batch = slice(step * batch_size, (step + 1) * batch_size)
+        input_ids_BT, attention_mask_BT, labels_BT = _sft_batch(tokenizer, problems[batch], graded_N[batch].tolist())
+        loss = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, labels=labels_BT).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    stats = {"sft/loss_first": float(np.mean(losses[:10])), "sft/loss_last": float(np.mean(losses[-10:]))}
+    logger.info("SFT warm start of %s: %d steps x %d demos, loss %.3f -> %.3f", model_dir, num_steps, batch_size,
+                stats["sft/loss_first"], stats["sft/loss_last"])
+    return stats
+
+
+def _sft_batch(tokenizer: Any, problems: list[tuple[str, str]], graded: list[bool]) -> tuple[Any, Any, Any]:
+    """Right-padded input_ids, attention_mask and labels [batch, tokens]; labels are -100 except the response.
+
+    Prompt and response are tokenized apart, as generation sees them (prompt ids, then sampled ids).
+    """
+    import torch
+
+    rows = []
+    for (question, answer), graded_format in zip(problems, graded, strict=True):
+        prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                    add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(arith_demonstration(answer, graded_format=graded_format),
+                                 add_special_tokens=False)["input_ids"]
+        rows.append((prompt_ids, response_ids + [tokenizer.eos_token_id]))
+    length = max(len(p) + len(r) for p, r in rows)
+    input_ids_BT = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask_BT = torch.zeros((len(rows), length), dtype=torch.long)
+    labels_BT = torch.full((len(rows), length), -100, dtype=torch.long)
+    for i, (prompt_ids, response_ids) in enumerate(rows):
+        ids = prompt_ids + response_ids
+        input_ids_BT[i, :len(ids)] = torch.tensor(ids)
+        attention_mask_BT[i, :len(ids)] = 1
+        labels_BT[i, len(prompt_ids):len(ids)] = torch.tensor(response_ids)
+    return input_ids_BT, attention_mask_BT, labels_BT
+
+
 # -------------------------------------------------------------------------------------- prompts
 
 
@@ -218,13 +358,13 @@ def _resolve_filesystem(out_dir: str, filesystem: Any) -> tuple[pafs.FileSystem,
     return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), out_dir
 
 
-def _arith_table(problems: list[tuple[str, str]], *, first_index: int, fmt: str) -> pa.Table:
+def _arith_table(problems: list[tuple[str, str]], *, first_index: int, fmt: str, split: ArithSplit) -> pa.Table:
     indices = range(first_index, first_index + len(problems))
     questions = [q for q, _ in problems]
     answers = [a for _, a in problems]
     if fmt == "batchrl":
         columns = {
-            "prompt_id": [f"arith-{i:06d}" for i in indices],
+            "prompt_id": [f"{'arith-eval' if split == 'eval' else 'arith'}-{i:06d}" for i in indices],
             "data_source": [ARITH_DATA_SOURCE] * len(problems),
             "prompt": questions,
             "ground_truth": answers,
@@ -235,7 +375,7 @@ def _arith_table(problems: list[tuple[str, str]], *, first_index: int, fmt: str)
         "prompt": [[{"role": "user", "content": q}] for q in questions],
         "ability": ["math"] * len(problems),
         "reward_model": [{"style": "rule", "ground_truth": a} for a in answers],
-        "extra_info": [{"split": "train", "index": i} for i in indices],
+        "extra_info": [{"split": "test" if split == "eval" else "train", "index": i} for i in indices],
     }
     return pa.Table.from_pydict(columns, schema=VERL_PROMPT_SCHEMA)
 
@@ -248,10 +388,14 @@ def build_arith_prompts(
     seed: int,
     fmt: Literal["batchrl", "verl"] = "batchrl",
     filesystem: Any = None,
+    max_operand: int = MAX_OPERAND,
+    split: ArithSplit = "all",
 ) -> list[str]:
     """Write synthetic verifiable arithmetic prompts as Parquet shards part-00000.parquet, ...
 
-    The rows do not depend on num_shards (shards are contiguous slices of one seeded list).
+    The rows do not depend on num_shards (shards are contiguous slices of one seeded list). Operands are
+    0..max_operand; split "train" avoids every held-out question and "eval" draws only held-out ones,
+    distinct, with prompt ids "arith-eval-NNNNNN" (see `_arith_problems`).
     `filesystem` may be a pyarrow or fsspec filesystem (e.g. s3fs); without it out_dir is a local path or
     a URI pyarrow understands. Returns the written paths.
     """
@@ -261,12 +405,13 @@ def build_arith_prompts(
         raise ValueError(f"num_shards={num_shards} must be between 1 and num_prompts={num_prompts}")
     fs, root = _resolve_filesystem(out_dir, filesystem)
     fs.create_dir(root, recursive=True)
-    problems = _arith_problems(num_prompts=num_prompts, seed=seed)
+    problems = _arith_problems(num_prompts=num_prompts, seed=seed, max_operand=max_operand, split=split)
     bounds = np.linspace(0, num_prompts, num_shards + 1).round().astype(int).tolist()
     paths = []
     for shard, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
         path = f"{root.rstrip('/')}/part-{shard:05d}.parquet"
-        pq.write_table(_arith_table(problems[start:stop], first_index=start, fmt=fmt), path, filesystem=fs)
+        table = _arith_table(problems[start:stop], first_index=start, fmt=fmt, split=split)
+        pq.write_table(table, path, filesystem=fs)
         paths.append(path)
     logger.info("wrote %d %s arith prompts in %d shards to %s", num_prompts, fmt, num_shards, out_dir)
     return paths
@@ -310,28 +455,67 @@ def ensure_toy_assets(
     num_shards: int = 4,
     seed: int = 0,
     fmt: Literal["batchrl", "verl"] = "batchrl",
+    max_operand: int = MAX_OPERAND,
+    sft_steps: int = 0,
+    sft_format_share: float = 1.0,
+    eval_dir: str | os.PathLike | None = None,
+    num_eval_prompts: int = 64,
 ) -> None:
     """Build the toy model (with tokenizer) and the arithmetic prompts unless they already exist (local dirs).
 
-    Idempotent: an existing complete directory is kept as is, whatever arguments built it. A directory
-    that exists but is incomplete (not built by this function) is an error rather than silently replaced.
+    With ``sft_steps`` the model is warm-started by `sft_warm_start` when built (random weights never
+    earn a reward), ``sft_format_share`` of its demonstrations in the "#### n" format. With ``eval_dir``, held-out prompts are built there (one shard) and the training
+    prompts avoid every held-out question.
+    Idempotent: an existing complete directory is kept as is, whatever arguments built it (delete it to
+    rebuild with other arguments). A directory that exists but is incomplete (not built by this function)
+    is an error rather than silently replaced.
     """
-    model_path, data_path = Path(model_dir), Path(data_dir)
-    if not _model_is_built(model_path):
-        if model_path.exists() and any(model_path.iterdir()):
-            raise ValueError(f"{model_path} exists but is not a complete model; remove it to rebuild the toy model")
-        if model_path.exists():
-            model_path.rmdir()
-        _build_atomically(model_path, lambda tmp: build_toy_model(tmp, seed=seed))
-    if not _prompts_are_built(data_path):
-        if data_path.exists() and any(data_path.iterdir()):
-            raise ValueError(f"{data_path} exists but holds no toy prompts; remove it to rebuild them")
-        if data_path.exists():
-            data_path.rmdir()
-        _build_atomically(data_path, lambda tmp: _build_prompts_dir(tmp, num_prompts, num_shards, seed, fmt))
+    if _claim_dir(Path(model_dir), _model_is_built, "is not a complete model; remove it to rebuild the toy model"):
+        _build_atomically(Path(model_dir), lambda tmp: _build_model_dir(tmp, seed, sft_steps, sft_format_share,
+                                                                        max_operand))
+    train_split: ArithSplit = "all" if eval_dir is None else "train"
+    if _claim_dir(Path(data_dir), _prompts_are_built, "holds no toy prompts; remove it to rebuild them"):
+        _build_atomically(Path(data_dir), lambda tmp: _build_prompts_dir(
+            tmp, num_prompts, num_shards, seed, fmt, max_operand=max_operand, split=train_split))
+    if eval_dir is not None and _claim_dir(Path(eval_dir), _prompts_are_built, "holds no toy prompts; remove it to "
+                                           "rebuild them"):
+        _build_atomically(Path(eval_dir), lambda tmp: _build_prompts_dir(
+            tmp, num_eval_prompts, 1, seed, fmt, max_operand=max_operand, split="eval"))
 
 
-def _build_prompts_dir(tmp_dir: Path, num_prompts: int, num_shards: int, seed: int, fmt: str) -> None:
-    build_arith_prompts(str(tmp_dir), num_prompts=num_prompts, num_shards=num_shards, seed=seed, fmt=fmt)
-    marker = {"num_prompts": num_prompts, "num_shards": num_shards, "seed": seed, "fmt": fmt}
+def ensure_toy_assets_from_config(toy: Any) -> None:
+    """`ensure_toy_assets` with the fields of a `ToyAssetsConfig` (the runner's entry point)."""
+    ensure_toy_assets(toy.model_dir, toy.data_dir, num_prompts=toy.num_prompts, num_shards=toy.num_shards,
+                      seed=toy.seed, fmt=toy.format, max_operand=toy.max_operand, sft_steps=toy.sft_steps,
+                      sft_format_share=toy.sft_format_share, eval_dir=toy.eval_dir,
+                      num_eval_prompts=toy.num_eval_prompts)
+
+
+def _claim_dir(path: Path, is_built: Any, complaint: str) -> bool:
+    """True when `path` must be built: absent or empty (an empty one is removed). ValueError if foreign."""
+    if is_built(path):
+        return False
+    if path.exists() and any(path.iterdir()):
+        raise ValueError(f"{path} exists but {complaint}")
+    if path.exists():
+        path.rmdir()
+    return True
+
+
+def _build_model_dir(tmp_dir: Path, seed: int, sft_steps: int, sft_format_share: float, max_operand: int) -> None:
+    build_toy_model(tmp_dir, seed=seed)
+    marker: dict[str, Any] = {"seed": seed, "sft_steps": sft_steps, "sft_format_share": sft_format_share,
+                              "max_operand": max_operand}
+    if sft_steps:
+        marker |= sft_warm_start(tmp_dir, num_steps=sft_steps, max_operand=max_operand, format_share=sft_format_share,
+                                 seed=seed)
+    (tmp_dir / "_TOY_MODEL.json").write_text(json.dumps(marker))
+
+
+def _build_prompts_dir(tmp_dir: Path, num_prompts: int, num_shards: int, seed: int, fmt: str, *,
+                       max_operand: int = MAX_OPERAND, split: ArithSplit = "all") -> None:
+    build_arith_prompts(str(tmp_dir), num_prompts=num_prompts, num_shards=num_shards, seed=seed, fmt=fmt,
+                        max_operand=max_operand, split=split)
+    marker = {"num_prompts": num_prompts, "num_shards": num_shards, "seed": seed, "fmt": fmt,
+              "max_operand": max_operand, "split": split}
     (tmp_dir / "_TOY_PROMPTS.json").write_text(json.dumps(marker))

@@ -52,6 +52,16 @@ class ToyAssetsConfig(_Strict):
     num_shards: int = Field(2, ge=1, description="Number of prompt Parquet shards written.")
     format: Literal["batchrl", "verl"] = Field("batchrl", description="Column layout of the synthetic prompts.")
     seed: int = Field(0, description="Seed for the model's random init and the prompts.")
+    max_operand: int = Field(50, ge=1, description="Operands of the arithmetic prompts are 0..max_operand.")
+    sft_steps: int = Field(0, ge=0, description="Supervised warm start of the model when it is built "
+                           "(batchrl.toy.sft_warm_start: steps of 32 '#### n' demonstrations, never a held-out "
+                           "question); 0 = random weights, which never earn a reward.")
+    sft_format_share: float = Field(1.0, ge=0.0, le=1.0, description="Share of the SFT demonstrations that end "
+                                    "'#### n'; the others end '#### n.', which the strict gsm8k reward (as verl's) "
+                                    "reads as 'n.' and scores 0, so the warm model has the grader's format to learn.")
+    eval_dir: str | None = Field(None, description="Where held-out prompts are built (if absent); point "
+                                 "evaluate.files here. The training prompts then avoid every held-out question.")
+    num_eval_prompts: int = Field(64, ge=1, description="Number of held-out prompts built in eval_dir.")
 
 
 class DataConfig(_Strict):
@@ -246,6 +256,36 @@ class UpdateConfig(_Strict):
         return self
 
 
+class EvaluateConfig(_Strict):
+    """Held-out evaluation (the evaluate stage): the initial policy before iteration 0, then each new policy."""
+
+    files: list[str] = Field(..., min_length=1, description="Held-out prompt Parquet files, directories or globs "
+                             "(local or s3://; batchrl's or verl's layout, as data.train_files), never trained on.")
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N valid held-out prompts.")
+    greedy: bool = Field(True, description="One greedy response per prompt (temperature 0): "
+                         "val-core/<data_source>/reward/mean@1.")
+    num_samples: int = Field(8, ge=0, description="Sampled responses per prompt, the k of val-core/<data_source>/"
+                             "reward/mean@k, pass@k and maj@k; 0 = greedy only.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the sampled responses.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass of the sampled responses.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Per-response token cap; default and maximum "
+                                       "generate.max_new_tokens (evaluation reuses the generation engines).")
+    pass_threshold: float = Field(1.0, description="A response passes (pass@k) when its reward is >= this.")
+    before_training: bool = Field(True, description="Also evaluate the initial policy, before iteration 0.")
+    every: int = Field(1, ge=1, description="Evaluate the policy of every N-th iteration; the last iteration's "
+                       "policy is always evaluated.")
+
+    @model_validator(mode="after")
+    def _evaluates_something(self) -> "EvaluateConfig":
+        if not self.greedy and self.num_samples == 0:
+            raise ValueError("evaluate: greedy is false and num_samples is 0, so nothing would be evaluated; "
+                             "set greedy: true or num_samples >= 1")
+        if self.greedy and self.num_samples == 1:
+            raise ValueError("evaluate.num_samples=1 with greedy: true would report two different mean@1; "
+                             "set num_samples to 0 (greedy only) or >= 2")
+        return self
+
+
 class RayConfig(_Strict):
     address: str | None = Field(None, description="Ray cluster address; default: $RAY_ADDRESS, else an embedded local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="CPUs for the embedded local Ray (default: all).")
@@ -290,6 +330,8 @@ class PipelineConfig(_Strict):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage estimation.")
     update: UpdateConfig = Field(default_factory=UpdateConfig, description="Policy update (FSDP2).")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray (embedded or cluster).")
+    evaluate: EvaluateConfig | None = Field(None, description="Held-out evaluation before training and after "
+                                            "iterations (val-core/* metrics); None = no evaluation.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metric loggers (TensorBoard, "
                                      "MLflow, W&B) and progress bars.")
 

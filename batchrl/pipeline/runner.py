@@ -39,7 +39,7 @@ from batchrl.pipeline.lineage import (
 )
 from batchrl.pipeline.lock import RunLock
 from batchrl.pipeline.manifest import MANIFEST_NAME, Manifest, damaged_parts, fingerprint, read_manifest, write_manifest
-from batchrl.pipeline.stage import STAGES, StageContext, stage_order
+from batchrl.pipeline.stage import STAGES, StageContext, consumers, planned_iterations, stage_order
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
 from batchrl.tracking import Trackers, check_tracking, tracking_session
 
@@ -76,6 +76,7 @@ class RunSummary:
     skipped: list[str] = field(default_factory=list)
     iterations: list[dict] = field(default_factory=list)
     no_new_files: bool = False  # incremental run that found no input file it had not seen: nothing ran
+    evaluations: list[dict] = field(default_factory=list)  # evaluate stage stats in order (iteration None first)
 
 
 def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Lineage | None = None,
@@ -86,22 +87,26 @@ def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Line
         lineage = resolve_lineage(cfg) if check_storage else fresh_lineage(cfg)
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     stages = {name: STAGES[name]() for name in stage_order()}
+    where = {name: set(planned_iterations(stage, cfg)) for name, stage in stages.items()}
     table_dirs: dict[str, str] = {}
     table_fps: dict[str, str] = {}
     policy_dir, policy_fp = lineage.initial_policy, lineage.initial_policy_fingerprint
     plan: list[PlannedStage] = []
     for iteration in [None] + list(range(cfg.run.iterations)):
         for name, stage in stages.items():
-            if stage.per_iteration != (iteration is not None):
+            if iteration not in where[name]:
                 continue
-            upstream = [policy_fp if t == "policy" else table_fps[t] for t in stage.inputs]
+            policy_in, policy_in_fp = policy_dir, policy_fp
+            if getattr(stage, "after_update", False) and iteration is not None:
+                policy_in, policy_in_fp = table_dirs["policy"], table_fps["policy"]
+            upstream = [policy_in_fp if t == "policy" else table_fps[t] for t in stage.inputs]
             config = dict(stage.fingerprint_config(cfg), iteration=iteration)
             if name == "ingest" and lineage.skips_seen_files(cfg):
                 config["skip_seen_files"] = seen_fingerprint(lineage)
             step = PlannedStage(name=name, iteration=iteration, output_dir=layout.table_dir(stage.table, iteration),
                                 fingerprint=fingerprint(config, *upstream),
                                 input_dirs={t: table_dirs[t] for t in stage.inputs if t != "policy"},
-                                policy_in=policy_dir, sharded=is_sharded(stage))
+                                policy_in=policy_in, sharded=is_sharded(stage))
             table_dirs[stage.table], table_fps[stage.table] = step.output_dir, step.fingerprint
             plan.append(step)
         if iteration is not None:
@@ -152,13 +157,26 @@ def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int |
         raise ConfigError(f"--from-stage {from_stage} runs once per run, not per iteration: drop --iteration")
     if from_iteration is not None and not 0 <= from_iteration < cfg.run.iterations:
         raise ConfigError(f"--iteration {from_iteration} is outside this run's iterations 0..{cfg.run.iterations - 1}")
+    where = planned_iterations(STAGES[from_stage](), cfg)
+    if not where:
+        raise ConfigError(f"--from-stage {from_stage}: this config never runs it"
+                          + (" (add an evaluate: section)" if from_stage == "evaluate" else ""))
+    if from_iteration is not None and from_iteration not in where:
+        listed = ", ".join("before training" if i is None else str(i) for i in where)
+        raise ConfigError(f"--from-stage {from_stage} --iteration {from_iteration}: it runs only at iterations "
+                          f"{listed}; pick one of those")
 
 
 def _force_from(plan: list[PlannedStage], from_stage: str, from_iteration: int | None) -> None:
-    iteration = None if not STAGES[from_stage].per_iteration else (from_iteration or 0)
-    start = next(i for i, s in enumerate(plan) if (s.name, s.iteration) == (from_stage, iteration))
+    """Forces ``from_stage`` at ``from_iteration`` (default: its first run) and everything after it.
+
+    A stage whose table nothing reads (evaluate) forces only its own later runs: re-evaluating never retrains.
+    """
+    start = next(i for i, s in enumerate(plan) if s.name == from_stage
+                 and (from_iteration is None or s.iteration == from_iteration))
+    leaf = not consumers(STAGES[from_stage].table)
     for step in plan[start:]:
-        if step.status != "pending":
+        if step.status != "pending" and (not leaf or step.name == from_stage):
             step.status, step.manifest, step.damaged = "forced", None, []
 
 
@@ -209,13 +227,23 @@ class Runner:
                 if prompts is None:
                     return self.summary  # an incremental run with no new input file: nothing to train on
                 self.preflight(prompts)
+                self.evaluate(None)  # the initial policy, on held-out prompts (when configured)
                 for iteration in range(self.cfg.run.iterations):
                     self.stage("generate", iteration)
                     self.stage("score", iteration)
                     self.stage("advantage", iteration)
                     self.stage("update", iteration)
+                    self.evaluate(iteration)
                     self.record_iteration(iteration)
         return self.summary
+
+    def evaluate(self, iteration: int | None) -> None:
+        """The evaluate stage where it is planned (evaluate.every, before_training); its metrics go to the summary."""
+        if ("evaluate", iteration) not in self.plan:
+            return
+        manifest = self.stage("evaluate", iteration)
+        self.summary.evaluations.append({"iteration": iteration, "policy": self.plan[("evaluate", iteration)].policy_in,
+                                         **manifest.stats})
 
     def stage(self, name: str, iteration: int | None = None) -> Manifest | None:
         step = self.plan[(name, iteration)]
@@ -313,11 +341,9 @@ class Runner:
 
     def _ensure_toy_assets(self) -> None:
         if self.cfg.toy_assets is not None:
-            from batchrl.toy import ensure_toy_assets
+            from batchrl.toy import ensure_toy_assets_from_config
 
-            t = self.cfg.toy_assets
-            ensure_toy_assets(t.model_dir, t.data_dir, num_prompts=t.num_prompts, num_shards=t.num_shards,
-                              seed=t.seed, fmt=t.format)
+            ensure_toy_assets_from_config(self.cfg.toy_assets)
 
     def _prepare_output_dir(self, step: PlannedStage, stage) -> None:
         """Keeps exactly the output that is still good, then marks the directory as this config's.
@@ -367,7 +393,7 @@ def _remove(uri: str) -> None:
 
 
 _PRODUCERS = {"prompts": "ingest", "rollouts": "generate", "scores": "score", "advantages": "advantage",
-              "policy": "update"}
+              "policy": "update", "evaluation": "evaluate"}
 
 
 def _producer(table: str) -> str:
@@ -399,6 +425,13 @@ def iteration_metrics(plan: dict[tuple[str, int | None], PlannedStage], iteratio
     metrics["score/failed_samples"] = plan[("score", iteration)].manifest.counts.get("failed_samples", 0)
     advantage = plan[("advantage", iteration)].manifest
     metrics["critic/groups_all_equal"] = advantage.counts.get("groups_all_equal", 0)
+    evaluation = plan.get(("evaluate", iteration))
+    if evaluation is not None and evaluation.manifest is not None:  # held-out metrics of this iteration's policy
+        metrics.update(evaluation.manifest.stats)
+        metrics["timing_s/eval"] = round(evaluation.manifest.finished_at - evaluation.manifest.started_at, 3)
+    initial = plan.get(("evaluate", None))
+    if iteration == 0 and initial is not None and initial.manifest is not None:  # the policy before training
+        metrics.update({f"initial/{name}": value for name, value in initial.manifest.stats.items()})
     return metrics
 
 

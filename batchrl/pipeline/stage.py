@@ -45,6 +45,9 @@ class Stage(Protocol):
     schema: ClassVar[str | None]  # data_schemas/<schema>.json of the output table (None: not a table)
     inputs: ClassVar[tuple[str, ...]]  # upstream tables; "policy" = the iteration's input policy
     per_iteration: ClassVar[bool]
+    # Optional: ``planned_iterations(cfg) -> list[int | None]`` narrows where the stage runs (None = once, before
+    # iteration 0); and ``after_update = True`` makes its "policy" input the policy this iteration's update wrote
+    # (the evaluate stage). See `planned_iterations` below.
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         """The config that determines this stage's output (changing it invalidates the stage)."""
@@ -61,6 +64,19 @@ def register(cls: type) -> type:
         raise AssertionError(f"stage {cls.name!r} registered twice")
     STAGES[cls.name] = cls
     return cls
+
+
+def planned_iterations(stage: Any, cfg: PipelineConfig) -> list[int | None]:
+    """Where a stage runs: once (None) or every iteration, unless the stage narrows it itself."""
+    custom = getattr(stage, "planned_iterations", None)
+    if custom is not None:
+        return list(custom(cfg))
+    return list(range(cfg.run.iterations)) if stage.per_iteration else [None]
+
+
+def consumers(table: str) -> list[str]:
+    """Names of the registered stages that read ``table``."""
+    return [name for name, cls in STAGES.items() if table in cls.inputs]
 
 
 def stage_order() -> list[str]:

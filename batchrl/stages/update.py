@@ -28,12 +28,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from batchrl.config import PipelineConfig
 from batchrl.pipeline.manifest import PartInfo
 from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
+from batchrl.tracking.progress import ProgressBar, progress
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,11 @@ class UpdateStage:
         _prune_trainer_states(ctx)
         with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
             spec = _spec(ctx, scratch)
-            metrics = run_update(spec, timeout_s=ctx.cfg.update.timeout_s)
+            with progress(None, "update: loading", enabled=ctx.cfg.tracking.progress_bars) as bar:
+                show = _progress_display(bar) if bar.drawn else None  # no bar: the ranks write no progress file
+                metrics = run_update(spec, timeout_s=ctx.cfg.update.timeout_s, on_progress=show)
+                if show is not None:
+                    show({"phase": "finished"})
             parts = _publish_dir(Path(spec.policy_out), ctx.output_dir, prefix="")
             extra_parts = {"logprobs": _publish_dir(Path(scratch) / "_logprobs", ctx.output_dir, prefix="_logprobs/")}
             if spec.trainer_state_out is not None:  # not in the manifest: keep-last-K deletes it later
@@ -71,6 +76,29 @@ class UpdateStage:
                             sum(p.num_bytes for p in state_files) / 1e6, join(ctx.output_dir, TRAINER_STATE_DIR))
         logger.info("published policy checkpoint (%d files) to %s", len(parts), ctx.output_dir)
         return StageOutput(parts=parts, stats={k: float(v) for k, v in metrics.items()}, extra_parts=extra_parts)
+
+
+def _progress_display(bar: ProgressBar) -> Callable[[dict[str, Any]], None]:
+    """Turns rank 0's progress records (`batchrl.trainer.progress_file`) into the bar: a spinner labelled with
+    the phase while the ranks load and compute log-probs, then optimizer steps done / planned with the latest
+    step's pg_loss and grad_norm; the label keeps the last step's numbers once training is over."""
+    state = {"steps": "update: steps"}
+
+    def show(record: dict[str, Any]) -> None:
+        phase = record.get("phase")
+        if phase == "logprobs":
+            bar.update(description="update: old/ref log-probs")
+        elif phase == "train":
+            if "pg_loss" in record and "grad_norm" in record:
+                state["steps"] = (f"update: steps  pg_loss {float(record['pg_loss']):.3g}  "
+                                  f"grad_norm {float(record['grad_norm']):.3g}")
+            bar.update(completed=int(record.get("done", 0)), total=record.get("total"), description=state["steps"])
+        elif phase == "save":
+            bar.update(description="update: saving")
+        elif phase == "finished":
+            bar.update(description=state["steps"])
+
+    return show
 
 
 def _spec(ctx: StageContext, scratch: str):

@@ -23,16 +23,31 @@ def stderr_console():
 
 
 class ProgressBar:
-    """What ``progress`` yields: ``advance(amount)`` after each unit of work (a shard, a micro-batch)."""
+    """What ``progress`` yields: ``advance(amount)`` after each unit of work (a shard, a micro-batch), or
+    ``update(...)`` when the work reports absolute counts (the update's optimizer steps, from another process)."""
 
-    def __init__(self, bar=None, task_id=None):
+    def __init__(self, bar=None, task_id=None, total: int | None = None):
         self._bar, self._task_id = bar, task_id
-        self.completed = 0
+        self.completed, self.total = 0, total
+
+    @property
+    def drawn(self) -> bool:
+        """Whether anything is shown: callers can skip gathering progress nobody sees."""
+        return self._bar is not None
 
     def advance(self, amount: int = 1) -> None:
         self.completed += amount
         if self._bar is not None:
             self._bar.advance(self._task_id, amount)
+
+    def update(self, *, completed: int | None = None, total: int | None = None, description: str | None = None) -> None:
+        """Set the count done, the total (a spinner becomes a bar) and/or the label; None leaves one as it is."""
+        if completed is not None:
+            self.completed = completed
+        if total is not None:
+            self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task_id, completed=completed, total=total, description=description)
 
 
 @contextlib.contextmanager
@@ -47,9 +62,9 @@ def progress(total: int | None, description: str, *, enabled: bool = True, conso
 
     console = console or stderr_console()
     if not enabled or not console.is_terminal:
-        yield ProgressBar()
+        yield ProgressBar(total=total)
         return
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console, transient=False, redirect_stderr=False, redirect_stdout=False) as bar:
-        yield ProgressBar(bar, bar.add_task(description, total=total))
+        yield ProgressBar(bar, bar.add_task(description, total=total), total=total)

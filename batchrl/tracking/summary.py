@@ -26,8 +26,9 @@ def format_summary(iterations: list[dict]) -> str:
         return ""
     columns = []
     for header, key in COLUMNS:
-        if key.endswith("/*"):
-            key = next((k for m in iterations for k in sorted(m) if k.startswith(key[:-1])), "")
+        if key.endswith("/*"):  # greedy accuracy (mean@1) when evaluated, else the first metric of the family
+            found = sorted({k for m in iterations for k in m if k.startswith(key[:-1])})
+            key = next((k for k in found if k.endswith("/mean@1")), found[0] if found else "")
         if key and any(m.get(key) is not None for m in iterations):
             columns.append((header, key))
     cells = [[header for header, _ in columns]]

@@ -3,7 +3,8 @@
 `spec` is the serialisable job description, `launch` starts one process per rank and waits for them,
 `worker` is what each rank runs. Its pieces: `data` (the advantages table and micro-batch tensors),
 `batching` (mini-batch and token-budget micro-batch plans), `schedule` (lr per optimizer step) and
-`checkpoint` (HF policy, optimizer state for exact resume, the log-probs table).
+`checkpoint` (HF policy, optimizer state for exact resume, the log-probs table), `progress_file` (rank 0's
+steps done / planned, read by the launcher for a progress bar).
 Importing this package does not import torch.
 """
 

@@ -8,6 +8,7 @@ was started, so a Ray placement-group launcher can replace this module without t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
+from batchrl.trainer.progress_file import ProgressReader
 from batchrl.trainer.spec import UpdateSpec
 
 logger = logging.getLogger(__name__)
@@ -29,17 +32,31 @@ STDERR_TAIL_CHARS = 4000
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def run_update(spec: UpdateSpec, *, timeout_s: float | None = None) -> dict[str, float]:
+def run_update(
+    spec: UpdateSpec,
+    *,
+    timeout_s: float | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, float]:
     """Run one policy update in `spec.num_processes` local processes; return the metrics rank 0 wrote.
 
     Raises RuntimeError (with the failing rank's stderr tail) if any rank exits non-zero or the update
     outlives `timeout_s`; the other ranks are killed first. `spec.policy_out` is only written on success.
+    `on_progress(record)` is called in this process, between polls of the ranks, with each record rank 0
+    reports (see `progress_file`; e.g. to draw a bar); it runs only here, so it cannot slow the ranks, and one
+    that raises is switched off with a warning rather than failing the update.
     """
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0 (or None for no limit)")
     _check_gpu_only_options(spec)
     Path(spec.metrics_path).unlink(missing_ok=True)  # never return a previous run's metrics
     with tempfile.TemporaryDirectory(prefix="batchrl-update-") as tmp:
+        poll_progress = None
+        if on_progress is not None:
+            if spec.progress_path is None:
+                spec = dataclasses.replace(spec, progress_path=str(Path(tmp) / "progress.jsonl"))
+            Path(spec.progress_path).unlink(missing_ok=True)  # never replay a previous run's records
+            poll_progress = _progress_poller(ProgressReader(spec.progress_path), on_progress)
         spec_path = Path(tmp) / "spec.json"
         spec.to_json(spec_path)
         port = _free_port()
@@ -49,9 +66,11 @@ def run_update(spec: UpdateSpec, *, timeout_s: float | None = None) -> dict[str,
             for rank in range(spec.num_processes)
         ]
         try:
-            failure = _wait_for_workers(workers, timeout_s=timeout_s)
+            failure = _wait_for_workers(workers, timeout_s=timeout_s, on_poll=poll_progress)
         finally:
             _kill_all(workers)
+        if poll_progress is not None:
+            poll_progress()  # the records written between the last poll and the ranks' exit
         if failure is not None:
             raise RuntimeError(failure)
         logger.debug("rank 0 log tail:\n%s", _tail(workers[0]["stderr_path"]))
@@ -109,10 +128,35 @@ def _start_worker(spec_path: Path, *, rank: int, world_size: int, port: int, log
     return {"rank": rank, "process": process, "stderr_path": stderr_path}
 
 
-def _wait_for_workers(workers: list[dict], *, timeout_s: float | None) -> str | None:
-    """Poll until all ranks exit 0 (None) or one fails or time runs out (a message naming the culprits)."""
+def _progress_poller(reader: ProgressReader, on_progress: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    """A no-argument function that hands the newly appended records to `on_progress`, never raising: a broken
+    bar must not kill the ranks (the caller's `finally` would)."""
+    broken = False
+
+    def poll() -> None:
+        nonlocal broken
+        if broken:
+            return
+        try:
+            for record in reader.poll():
+                on_progress(record)
+        except Exception as error:  # noqa: BLE001 - progress display only; the update goes on
+            broken = True
+            logger.warning("update progress display off after an error: %r", error)
+
+    return poll
+
+
+def _wait_for_workers(
+    workers: list[dict], *, timeout_s: float | None, on_poll: Callable[[], None] | None = None
+) -> str | None:
+    """Poll until all ranks exit 0 (None) or one fails or time runs out (a message naming the culprits).
+
+    `on_poll()` runs once per poll (every POLL_INTERVAL_S), e.g. to read rank 0's progress."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
+        if on_poll is not None:
+            on_poll()
         codes = [w["process"].poll() for w in workers]
         failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
         if failed:

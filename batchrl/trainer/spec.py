@@ -78,6 +78,7 @@ class UpdateSpec:
     trainer_state_in: str | None = None  # local dir written by a previous update's trainer_state_out
     trainer_state_out: str | None = None  # local dir for the optimizer state and step count (None: not saved)
     logprobs_out: str | None = None  # local Parquet file for the per-sample old/reference log-probs
+    progress_path: str | None = None  # local JSON-lines file rank 0 appends progress to (see progress_file)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "advantages_files", [str(p) for p in self.advantages_files])

@@ -70,6 +70,7 @@ from batchrl.trainer.data import (
     samples_from_table,
     scatter_response_values,
 )
+from batchrl.trainer.progress_file import ProgressWriter
 from batchrl.trainer.schedule import lr_at_step, resolve_warmup_steps
 from batchrl.trainer.spec import UpdateSpec
 
@@ -393,22 +394,32 @@ def train(
     ctx: Dist,
     pad_token_id: int,
     start_step: int,
+    progress: ProgressWriter | None = None,
 ) -> tuple[list[dict[str, float]], int]:
-    """All epochs x mini-batches; returns each step's metrics and the global step after the last one."""
+    """All epochs x mini-batches; returns each step's metrics and the global step after the last one.
+
+    `progress` gets one record per mini-batch (done / planned steps and the step's pg_loss, grad_norm, lr).
+    """
+    progress = progress or ProgressWriter(None)
     batches = dict(groups_per_mini_batch=spec.ppo_mini_batch_size, seed=spec.seed)
     steps_per_update = spec.ppo_epochs * len(mini_batches(samples.group_N, epoch=0, **batches))
     total_steps = spec.lr_total_steps or spec.num_iterations * steps_per_update
     schedule = dict(lr=spec.lr, schedule=spec.lr_schedule, total_steps=total_steps, min_lr_ratio=spec.min_lr_ratio,
                     warmup_steps=resolve_warmup_steps(warmup_steps=spec.lr_warmup_steps,
                                                       warmup_ratio=spec.lr_warmup_ratio, total_steps=total_steps))
-    step, step_metrics = start_step, []
+    step, step_metrics, done = start_step, [], 0
+    progress.write({"phase": "train", "done": 0, "total": steps_per_update})
     for epoch in range(spec.ppo_epochs):
         for indices in mini_batches(samples.group_N, epoch=epoch, **batches):
             lr, started = lr_at_step(step, **schedule), time.perf_counter()
             metrics = optimizer_step(model, optimizer, samples, indices, token_values, spec=spec, ctx=ctx,
                                      pad_token_id=pad_token_id, lr=lr)
+            done += 1
             if metrics is None:
+                progress.write({"phase": "train", "done": done, "total": steps_per_update})
                 continue
+            progress.write({"phase": "train", "done": done, "total": steps_per_update, "global_step": step + 1,
+                            "pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"], "lr": lr})
             step_metrics.append(metrics | {"actor/lr": lr, "perf/step_time_s": time.perf_counter() - started})
             step += 1
             logger.info("epoch %d, step %d: %s", epoch, step, metrics)
@@ -459,6 +470,8 @@ def run(spec: UpdateSpec) -> dict[str, float] | None:
         start_step = load_trainer_state(model, optimizer, in_dir=spec.trainer_state_in)
     load_time = time.perf_counter() - start
 
+    progress = ProgressWriter(spec.progress_path if ctx.rank == 0 else None)
+    progress.write({"phase": "logprobs"})
     logprob_start = time.perf_counter()
     token_values = pre_update_logprobs(model, samples, spec=spec, ctx=ctx, pad_token_id=pad_token_id)
     if ctx.rank == 0 and spec.logprobs_out is not None:
@@ -466,8 +479,10 @@ def run(spec: UpdateSpec) -> dict[str, float] | None:
                        loss_tokens_N=samples.loss_tokens_N, path=spec.logprobs_out)
     train_start = time.perf_counter()
     step_metrics, global_step = train(model, optimizer, samples, token_values, spec=spec, ctx=ctx,
-                                      pad_token_id=pad_token_id, start_step=start_step)
+                                      pad_token_id=pad_token_id, start_step=start_step, progress=progress)
     train_time = time.perf_counter() - train_start
+    progress.write({"phase": "save"})
+    progress.close()
 
     save_start = time.perf_counter()
     if spec.trainer_state_out is not None:

@@ -1,0 +1,416 @@
+"""evaluate: held-out prompts + a policy -> one result row per prompt, and val-core/* metrics per data_source.
+
+Why a stage: "does reward go up" must be answered on prompts the run never trains on, with the same engines
+and rewards as training, and the answer must be a table one can inspect (which prompts flipped), not only a
+number. The stage ingests ``evaluate.files`` with the ingest stage's own code (same validation, chat template
+and tokenizer as training prompts), generates with the run's live engine pool (the generate stage's actors:
+no second engine is built, and evaluating the policy that the next iteration generates with costs no extra
+weight push), and scores with the score stage's workers and ``score`` config. Its manifest's ``stats`` hold
+the metrics; the evaluation table holds every response, reward and extracted answer.
+
+It runs for ``iteration=None`` on the initial policy (before iteration 0) and for iteration i on the policy
+that iteration i's update wrote; ``ctx.policy_in`` is the policy evaluated (see ``evaluated_iterations``).
+
+Metrics, named as verl's validation (``val-core/<data_source>/reward/<metric>``; aux ones under ``val-aux/``):
+- ``mean@1``: greedy accuracy (one greedy response per prompt, as verl's do_sample=False validation);
+- ``mean@k``: mean reward of the k sampled responses; ``std@k`` (aux): the mean per-prompt std;
+- ``pass@k``: probability that at least one of k responses passes (reward >= ``evaluate.pass_threshold``);
+  ``pass@j`` for j = 1, 2, 4, ... < k are aux;
+- ``maj@k``: reward of the majority answer of the k responses (answers extracted as the data_source's
+  reward reads them: ``#### n`` for gsm8k, the last ``\\boxed{}`` for math, else the stripped response);
+- aux: ``answered/mean@1`` and ``answered/mean@k`` (share of responses with an extractable answer),
+  ``response_length/mean@1`` and ``response_length/mean@k``, ``num_prompts``.
+
+Departures from verl: pass@k is the unbiased estimator of Chen et al. (2021) over the n = k responses,
+exact, where verl reports ``best@k/mean`` by bootstrap; maj@k is the exact vote over the k responses (no
+bootstrap) and a response without an answer abstains instead of voting for "no answer". Sampled responses
+use the same seeds for every policy evaluated (common random numbers), so a change between two evaluations
+is the policy's, not the dice's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from batchrl.config import ConfigError, PipelineConfig
+from batchrl.pipeline.manifest import Manifest, PartInfo
+from batchrl.pipeline.schemas import load_schema
+from batchrl.pipeline.shards import run_sharded
+from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.rewards import reward_name_for
+from batchrl.storage import join, read_parquet, write_parquet_atomic
+
+logger = logging.getLogger(__name__)
+
+EVAL_SEED_ITERATION = -1  # sampled eval responses: seeds from (run seed, -1, prompt_id, sample_idx), every policy
+MODES = ("greedy", "sampled")
+
+
+def evaluated_iterations(cfg: PipelineConfig) -> list[int | None]:
+    """Where the evaluate stage runs: None (the initial policy) and the iterations whose policy is evaluated."""
+    e = cfg.evaluate
+    if e is None:
+        return []
+    last = cfg.run.iterations - 1
+    after = [i for i in range(cfg.run.iterations) if (i + 1) % e.every == 0 or i == last]
+    return ([None] if e.before_training else []) + after
+
+
+@register
+class EvaluateStage:
+    name = "evaluate"
+    table = "evaluation"
+    schema = "evaluations"
+    inputs = ("policy",)  # the policy EVALUATED: the initial one (iteration None) or iteration i's output
+    per_iteration = True
+    after_update = True  # at iteration i, "policy" is what iteration i's update wrote (not what it started from)
+
+    def planned_iterations(self, cfg: PipelineConfig) -> list[int | None]:
+        return evaluated_iterations(cfg)
+
+    def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
+        e = cfg.evaluate
+        return {"evaluate": None if e is None else e.model_dump(exclude={"before_training", "every"}),
+                "max_new_tokens": None if e is None else max_new_tokens(cfg),
+                "score": cfg.score.model_dump(), "tokenizer": cfg.model.tokenizer or cfg.model.path,
+                "max_prompt_tokens": cfg.data.max_prompt_tokens, "apply_chat_template": cfg.data.apply_chat_template,
+                "engine": cfg.generate.engine, "stop": list(cfg.generate.stop), "dtype": cfg.model.dtype,
+                "seed": cfg.run.seed}
+
+    def check_inputs(self, cfg: PipelineConfig) -> None:
+        """Before anything is written: the held-out files are readable prompt tables, within the engine's budget."""
+        if cfg.evaluate is None:
+            return
+        from batchrl.stages.ingest import IngestStage
+
+        e, g = cfg.evaluate, cfg.generate
+        if e.max_new_tokens is not None and e.max_new_tokens > g.max_new_tokens and g.max_model_len is None:
+            raise ConfigError(f"evaluate.max_new_tokens={e.max_new_tokens} exceeds generate.max_new_tokens="
+                              f"{g.max_new_tokens}, which sizes the shared engines; lower it or raise "
+                              "generate.max_new_tokens")
+        try:
+            IngestStage().check_inputs(eval_prompts_config(cfg))
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("data.train_files", "evaluate.files")) from None
+
+    def run(self, ctx: StageContext) -> StageOutput:
+        cfg = ctx.cfg
+        if cfg.evaluate is None:
+            raise AssertionError("the evaluate stage was planned for a config without an evaluate: section")
+        prompts_dir, prompts = ingest_eval_prompts(ctx)
+        rollouts = generate_eval_rollouts(ctx, prompts_dir, prompts)
+        scores_dir = join(ctx.output_dir, "_scores")
+        score_parts = score_eval_rollouts(cfg, join(ctx.output_dir, "_rollouts"), rollouts, scores_dir)
+        extract = answer_extractor(cfg)
+        parts, tables = [], []
+        for part in prompts.parts:
+            table = evaluation_table(_scored(scores_dir, "greedy", part.name, cfg),
+                                     _scored(scores_dir, "sampled", part.name, cfg), policy=ctx.policy_in,
+                                     extract_answer=extract)
+            num_bytes, digest = write_parquet_atomic(table, join(ctx.output_dir, part.name))
+            parts.append(PartInfo(name=part.name, rows=table.num_rows, sha256=digest, num_bytes=num_bytes))
+            tables.append(table)
+        results = pa.concat_tables(tables)
+        stats = evaluation_metrics_from_table(results, pass_threshold=cfg.evaluate.pass_threshold)
+        logger.info("evaluated %s on %d held-out prompts: %s", ctx.policy_in, results.num_rows, headline(stats))
+        extra = {"prompts": prompts.parts, "rollouts": rollouts.parts, "scores": score_parts}
+        return StageOutput(parts=parts, counts=_counts(results), stats=stats,
+                           extra_parts={k: [_prefixed(p, f"_{k}/") for p in v] for k, v in extra.items()})
+
+
+# ------------------------------------------------------------------------------------------ steps
+
+
+def eval_prompts_config(cfg: PipelineConfig) -> PipelineConfig:
+    """The run's config with data.train_files replaced by the held-out files (what ingest reads for evaluation)."""
+    data = cfg.data.model_copy(update={"train_files": list(cfg.evaluate.files),
+                                       "max_prompts": cfg.evaluate.max_prompts})
+    return cfg.model_copy(update={"data": data})
+
+
+def ingest_eval_prompts(ctx: StageContext) -> tuple[str, Manifest]:
+    """The held-out prompts, validated and tokenized by the ingest stage itself, under ``_prompts/``."""
+    from batchrl.stages.ingest import IngestStage
+
+    out_dir = join(ctx.output_dir, "_prompts")
+    output = IngestStage().run(StageContext(cfg=eval_prompts_config(ctx.cfg), layout=ctx.layout, iteration=None,
+                                            output_dir=out_dir, fingerprint=ctx.fingerprint, inputs={}, input_dirs={},
+                                            policy_in=ctx.policy_in))
+    if output.counts.get("rejected"):
+        logger.warning("evaluate: %d held-out prompt(s) rejected (see %s/_rejects)", output.counts["rejected"], out_dir)
+    return out_dir, _manifest(output.parts, schema="prompts")
+
+
+def max_new_tokens(cfg: PipelineConfig) -> int:
+    return cfg.evaluate.max_new_tokens or cfg.generate.max_new_tokens
+
+
+def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifest) -> Manifest:
+    """Greedy and sampled rollouts of every prompt part, as ``_rollouts/{greedy,sampled}-part-*.parquet``."""
+    from batchrl.stages.generate import ShardSettings
+
+    cfg, e = ctx.cfg, ctx.cfg.evaluate
+    pool = _engine_pool(cfg)
+    modes = {"greedy": (1, {"temperature": 0.0, "top_p": 1.0}) if e.greedy else None,
+             "sampled": (e.num_samples, {"temperature": e.temperature, "top_p": e.top_p}) if e.num_samples else None}
+    parts = []
+    for mode, setting in modes.items():
+        if setting is None:
+            continue
+        num_samples, sampling = setting
+        settings = ShardSettings(policy=ctx.policy_in, num_samples_per_prompt=num_samples, run_seed=cfg.run.seed,
+                                 iteration=EVAL_SEED_ITERATION,
+                                 sampling=sampling | {"top_k": -1, "max_new_tokens": max_new_tokens(cfg),
+                                                      "stop": tuple(cfg.generate.stop)})
+        jobs = [{"input_uri": join(prompts_dir, p.name), "output_uri": join(ctx.output_dir, "_rollouts",
+                                                                            f"{mode}-{p.name}"),
+                 "name": f"{mode}-{p.name}"} for p in prompts.parts]
+        for row in pool.run(jobs, settings, progress_bars=False):
+            parts.append(PartInfo(name=row["name"], rows=int(row["rows"]), sha256=row["sha256"],
+                                  num_bytes=int(row["num_bytes"])))
+    if cfg.generate.engine_lifetime == "stage":
+        pool.shutdown()
+    return _manifest(sorted(parts, key=lambda p: p.name), schema="rollouts")
+
+
+def _engine_pool(cfg: PipelineConfig):
+    """The run's live engine pool when it holds this engine (whatever its size), else a new one of full size.
+
+    Full size (generate.num_actors), not sized to the eval shards: the generate stage then finds this pool
+    and reuses it instead of rebuilding its engines.
+    """
+    import ray
+
+    from batchrl.stages.generate import EnginePool, engine_spec
+
+    spec, g = engine_spec(cfg), cfg.generate
+    live = EnginePool._current
+    if live is not None and live.key[0] == spec and live.key[-1] == ray.get_runtime_context().get_job_id():
+        return live
+    return EnginePool.get(spec, num_actors=g.num_actors, num_cpus=g.cpus_per_actor, num_gpus=g.gpus_per_actor)
+
+
+def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manifest, scores_dir: str) -> list[PartInfo]:
+    """Scores with the score stage's worker and config: in this process for rule rewards, on actors with a
+    reward model (which may need a GPU).
+
+    Why in process: an evaluation is a few hundred samples, and a Ray Data actor pool needs a free CPU while
+    the engine actors hold theirs; measured on 2 cores, a pool started right after the score stage's sometimes
+    waited forever for a CPU that the previous pool's actor had not yet released.
+    """
+    from batchrl.stages.score import ScoreStage, ScoreWorker
+
+    if cfg.score.reward_model is not None:
+        rm = cfg.score.reward_model
+        parts, _ = run_sharded(input_dir=rollouts_dir, input_manifest=rollouts, output_dir=scores_dir,
+                               worker_cls=ScoreWorker, worker_kwargs=ScoreStage.reward_kwargs(cfg),
+                               summarize=lambda table: {}, concurrency=rm.num_actors, num_cpus=rm.cpus_per_actor,
+                               num_gpus=rm.gpus_per_actor, description="evaluate: score", progress_bars=False)
+        return parts
+    worker = ScoreWorker(**ScoreStage.reward_kwargs(cfg))
+    try:
+        done = worker({"input_uri": [join(rollouts_dir, p.name) for p in rollouts.parts],
+                       "output_uri": [join(scores_dir, p.name) for p in rollouts.parts],
+                       "name": [p.name for p in rollouts.parts], "input_sha256": [p.sha256 for p in rollouts.parts]})
+    finally:
+        if worker.isolated is not None:
+            worker.isolated.close()
+    return [PartInfo(name=name, rows=int(rows), sha256=digest, num_bytes=int(size))
+            for name, rows, digest, size in zip(done["name"], done["rows"], done["sha256"], done["num_bytes"])]
+
+
+def _scored(scores_dir: str, mode: str, part_name: str, cfg: PipelineConfig) -> pa.Table | None:
+    enabled = cfg.evaluate.greedy if mode == "greedy" else cfg.evaluate.num_samples > 0
+    return read_parquet(join(scores_dir, f"{mode}-{part_name}")) if enabled else None
+
+
+def _manifest(parts: list[PartInfo], *, schema: str) -> Manifest:
+    return Manifest(stage="evaluate", table="", iteration=None, fingerprint="", parts=parts, schema=schema,
+                    started_at=0.0, finished_at=0.0)
+
+
+def _prefixed(part: PartInfo, prefix: str) -> PartInfo:
+    return PartInfo(name=prefix + part.name, rows=part.rows, sha256=part.sha256, num_bytes=part.num_bytes)
+
+
+# ------------------------------------------------------------------------------------- answers
+
+
+def answer_extractor(cfg: PipelineConfig) -> Callable[[str, str], str | None]:
+    """(response, data_source) -> the answer the data_source's reward reads, for majority voting."""
+    from batchrl.rewards.boxed import last_boxed_content
+    from batchrl.rewards.gsm8k import extract_gsm8k_answer
+
+    readers: dict[str, Callable[[str], str | None]] = {
+        "gsm8k": lambda text: extract_gsm8k_answer(text, method="strict"),
+        "gsm8k_flexible": lambda text: extract_gsm8k_answer(text, method="flexible"),
+        "math": last_boxed_content,
+    }
+    first_term = cfg.score.rewards[0].reward if cfg.score.rewards else None
+
+    def extract(response: str, data_source: str) -> str | None:
+        try:
+            reward = first_term or reward_name_for(data_source, overrides=cfg.score.reward_by_data_source)
+        except ValueError:
+            reward = None
+        reader = readers.get(reward)
+        answer = reader(response) if reader is not None else response.strip()
+        return answer.strip() if answer and answer.strip() else None
+
+    return extract
+
+
+# ------------------------------------------------------------------------------------- results
+
+
+def evaluation_table(greedy: pa.Table | None, sampled: pa.Table | None, *, policy: str,
+                     extract_answer: Callable[[str, str], str | None]) -> pa.Table:
+    """One row per prompt from the scored greedy and sampled rollouts of one prompt part (same rows, same order)."""
+    base = greedy if greedy is not None else sampled
+    columns = base.select(["prompt_id", "data_source", "prompt_text", "ground_truth"]).to_pydict()
+    sources = columns["data_source"]
+    num_rows = base.num_rows
+    out: dict[str, list] = dict(columns, policy=[policy] * num_rows)
+    if greedy is not None:
+        g = greedy.select(["response_texts", "scores", "response_lengths", "score_errors"]).to_pydict()
+        out["greedy_response"] = [texts[0] for texts in g["response_texts"]]
+        out["greedy_score"] = [scores[0] for scores in g["scores"]]
+        out["greedy_answer"] = [extract_answer(t, ds) for t, ds in zip(out["greedy_response"], sources)]
+        out["greedy_length"] = [lengths[0] for lengths in g["response_lengths"]]
+        errors = [[e[0]] for e in g["score_errors"]]
+    else:
+        for name in ("greedy_response", "greedy_score", "greedy_answer", "greedy_length"):
+            out[name] = [None] * num_rows
+        errors = [[None] for _ in range(num_rows)]
+    s = sampled.select(["response_texts", "scores", "response_lengths", "score_errors"]).to_pydict() if sampled \
+        is not None else {"response_texts": [[]] * num_rows, "scores": [[]] * num_rows,
+                          "response_lengths": [[]] * num_rows, "score_errors": [[]] * num_rows}
+    out["sample_responses"], out["sample_scores"] = s["response_texts"], s["scores"]
+    out["sample_lengths"] = s["response_lengths"]
+    out["sample_answers"] = [[extract_answer(t, ds) for t in texts] for texts, ds in zip(s["response_texts"], sources)]
+    votes = [majority_vote(a, sc) for a, sc in zip(out["sample_answers"], out["sample_scores"])]
+    out["majority_answer"] = [answer for answer, _ in votes]
+    out["majority_score"] = [score for _, score in votes]
+    out["score_errors"] = [e + list(se) for e, se in zip(errors, s["score_errors"])]
+    schema = load_schema("evaluations")
+    return pa.Table.from_pydict({name: out[name] for name in schema.names}, schema=schema)
+
+
+def majority_vote(answers: list[str | None], scores: list[float]) -> tuple[str | None, float | None]:
+    """The most frequent answer (ties: the one given first) and the reward of its first response.
+
+    Responses without an answer abstain; when all abstain, the answer is None and the score is that of the
+    first response (a failure, whatever the reward gave it). (None, None) for no responses.
+    """
+    if not answers:
+        return None, None
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return None, float(scores[0])
+    top = max(counts.values())
+    winner = next(a for a in answers if a is not None and counts[a] == top)
+    return winner, float(scores[answers.index(winner)])
+
+
+def pass_at_k(num_samples: int, num_passed: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): P(at least one of k responses drawn from the n passes)."""
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"k={k} must be between 1 and the number of samples {num_samples}")
+    if num_samples - num_passed < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_passed, k) / math.comb(num_samples, k)
+
+
+def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> dict[str, float]:
+    """val-core / val-aux metrics of an evaluations table (all its rows)."""
+    d = table.select(["data_source", "greedy_score", "greedy_answer", "greedy_length", "sample_scores",
+                      "sample_answers", "sample_lengths", "majority_score"]).to_pydict()
+    has_greedy = any(score is not None for score in d["greedy_score"])
+    num_samples = len(d["sample_scores"][0]) if d["sample_scores"] else 0
+
+    def floats(rows: list) -> np.ndarray:
+        return np.asarray(rows, dtype=np.float64).reshape(len(rows), -1)
+
+    return evaluation_metrics(
+        np.asarray(d["data_source"], dtype=object),
+        greedy_score_P=floats(d["greedy_score"])[:, 0] if has_greedy else None,
+        greedy_answered_P=np.asarray([a is not None for a in d["greedy_answer"]]) if has_greedy else None,
+        greedy_length_P=floats(d["greedy_length"])[:, 0] if has_greedy else None,
+        sample_scores_PK=floats(d["sample_scores"]) if num_samples else None,
+        sample_answered_PK=np.asarray([[a is not None for a in row] for row in d["sample_answers"]])
+        if num_samples else None,
+        sample_lengths_PK=floats(d["sample_lengths"]) if num_samples else None,
+        majority_score_P=floats(d["majority_score"])[:, 0] if num_samples else None,
+        pass_threshold=pass_threshold)
+
+
+def evaluation_metrics(data_source_P: np.ndarray, *, greedy_score_P: np.ndarray | None,
+                       greedy_answered_P: np.ndarray | None, greedy_length_P: np.ndarray | None,
+                       sample_scores_PK: np.ndarray | None, sample_answered_PK: np.ndarray | None,
+                       sample_lengths_PK: np.ndarray | None, majority_score_P: np.ndarray | None,
+                       pass_threshold: float) -> dict[str, float]:
+    """Per data_source: greedy mean@1 and sampled mean@k, pass@k, maj@k (core), std@k, pass@j, answered,
+    response length and num_prompts (aux). P prompts, K sampled responses each."""
+    metrics: dict[str, float] = {}
+    for source in sorted(set(data_source_P.tolist())):
+        rows = data_source_P == source
+        core, aux = f"val-core/{source}/reward", f"val-aux/{source}"
+        metrics[f"{aux}/num_prompts"] = float(rows.sum())
+        if greedy_score_P is not None:
+            metrics[f"{core}/mean@1"] = float(greedy_score_P[rows].mean())
+            metrics[f"{aux}/answered/mean@1"] = float(greedy_answered_P[rows].mean())
+            metrics[f"{aux}/response_length/mean@1"] = float(greedy_length_P[rows].mean())
+        if sample_scores_PK is None:
+            continue
+        scores_pK, k = sample_scores_PK[rows], sample_scores_PK.shape[1]
+        metrics[f"{core}/mean@{k}"] = float(scores_pK.mean())
+        metrics[f"{aux}/reward/std@{k}"] = float(scores_pK.std(axis=1).mean())
+        passed_p = (scores_pK >= pass_threshold).sum(axis=1)
+        for j in _pass_ks(k):
+            name = f"{core}/pass@{j}" if j == k else f"{aux}/reward/pass@{j}"
+            metrics[name] = float(np.mean([pass_at_k(k, int(c), j) for c in passed_p]))
+        metrics[f"{core}/maj@{k}"] = float(majority_score_P[rows].mean())
+        metrics[f"{aux}/answered/mean@{k}"] = float(sample_answered_PK[rows].mean())
+        metrics[f"{aux}/response_length/mean@{k}"] = float(sample_lengths_PK[rows].mean())
+    return metrics
+
+
+def _pass_ks(k: int) -> list[int]:
+    """1, 2, 4, ... below k, then k (verl's ladder of @n)."""
+    ks, j = [], 1
+    while j < k:
+        ks.append(j)
+        j *= 2
+    return ks + [k]
+
+
+def _counts(table: pa.Table) -> dict[str, int]:
+    errors = sum(e is not None for row in table.column("score_errors").to_pylist() for e in row)
+    return {"prompts": table.num_rows, "failed_samples": errors}
+
+
+def headline(stats: dict[str, float]) -> str:
+    """The core metrics on one line, e.g. 'arith: mean@1 0.312, mean@8 0.280, pass@8 0.688, maj@8 0.344'."""
+    by_source: dict[str, list[str]] = {}
+    for name, value in stats.items():
+        if name.startswith("val-core/"):
+            source, metric = name.removeprefix("val-core/").rsplit("/reward/", 1)
+            by_source.setdefault(source, []).append(f"{metric} {value:.3f}")
+    return "; ".join(f"{source}: {', '.join(parts)}" for source, parts in sorted(by_source.items())) or "no metrics"
+
+
+def compare(before: dict[str, float], after: dict[str, float]) -> list[str]:
+    """Lines 'val-core/arith/reward/mean@1: 0.312 -> 0.625 (+31.3 points)' for the core metrics in both."""
+    return [f"{name}: {before[name]:.3f} -> {after[name]:.3f} ({100 * (after[name] - before[name]):+.1f} points)"
+            for name in sorted(after) if name.startswith("val-core/") and name in before]
+
+
+__all__ = ["EvaluateStage", "answer_extractor", "compare", "evaluated_iterations", "evaluation_metrics",
+           "evaluation_table", "headline", "majority_vote", "pass_at_k"]

@@ -1,0 +1,149 @@
+"""The evaluate stage: exact mean@k / pass@k / maj@k on hand-made results, config checks, and a real run on
+embedded Ray (HF engine) whose table and metrics agree with the reward, with the same samples every time."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from batchrl.config import ConfigError, validate_dict
+from batchrl.pipeline.stage import StageContext
+from batchrl.rewards.gsm8k import gsm8k_strict
+from batchrl.stages.evaluate import (
+    EvaluateStage,
+    answer_extractor,
+    compare,
+    evaluated_iterations,
+    evaluation_metrics_from_table,
+    evaluation_table,
+    majority_vote,
+    pass_at_k,
+)
+from batchrl.storage import RunLayout, read_parquet
+from batchrl.toy import build_arith_prompts
+
+
+def config(tmp_path, model_dir="m", eval_files=("e",), evaluate=None, iterations=1):
+    return validate_dict({
+        "name": "ev", "run": {"root": str(tmp_path / "runs"), "seed": 3, "iterations": iterations},
+        "model": {"path": model_dir}, "data": {"train_files": ["d"], "max_prompt_tokens": 96},
+        "generate": {"engine": "hf", "max_new_tokens": 6},
+        "evaluate": {"files": list(eval_files), **(evaluate or {})}})
+
+
+def scored(rows: list[tuple[str, str, list[str], list[float]]]) -> pa.Table:
+    """A scored-rollouts table: (prompt_id, data_source, responses, scores) per prompt; ground truth '5'."""
+    return pa.Table.from_pylist([
+        {"prompt_id": pid, "data_source": source, "prompt_text": f"q {pid}", "ground_truth": "5",
+         "response_texts": texts, "scores": scores, "response_lengths": [len(t) for t in texts],
+         "score_errors": [None] * len(texts)} for pid, source, texts, scores in rows])
+
+
+def test_metrics_of_a_hand_made_evaluation_are_exact(tmp_path):
+    greedy = scored([("a1", "arith", ["#### 5"], [1.0]), ("a2", "arith", ["#### 4"], [0.0]),
+                     ("b1", "gsm8k", ["five"], [0.0])])
+    sampled = scored([
+        ("a1", "arith", ["#### 5", "#### 3", "#### 3", "#### 5"], [1.0, 0.0, 0.0, 1.0]),  # 2-2 tie: "5" came first
+        ("a2", "arith", ["#### 7", "x #### 7", "no answer", "#### 5"], [0.0, 0.0, 0.0, 1.0]),  # majority "7" is wrong
+        ("b1", "gsm8k", ["no", "answer", "at", "all"], [0.0, 0.0, 0.0, 0.0])])  # every response abstains
+    table = evaluation_table(greedy, sampled, policy="p", extract_answer=answer_extractor(config(tmp_path)))
+    assert table.column("majority_answer").to_pylist() == ["5", "7", None]
+    assert table.column("sample_answers").to_pylist()[1] == ["7", "7", None, "5"]
+    metrics = evaluation_metrics_from_table(table, pass_threshold=1.0)
+    expected = {
+        "val-core/arith/reward/mean@1": 0.5, "val-core/arith/reward/mean@4": 3 / 8,
+        "val-core/arith/reward/pass@4": 1.0, "val-aux/arith/reward/pass@2": (5 / 6 + 1 / 2) / 2,
+        "val-aux/arith/reward/pass@1": 3 / 8, "val-core/arith/reward/maj@4": 0.5,
+        "val-aux/arith/answered/mean@1": 1.0, "val-aux/arith/answered/mean@4": 7 / 8, "val-aux/arith/num_prompts": 2,
+        "val-core/gsm8k/reward/mean@1": 0.0, "val-core/gsm8k/reward/mean@4": 0.0, "val-core/gsm8k/reward/pass@4": 0.0,
+        "val-core/gsm8k/reward/maj@4": 0.0, "val-aux/gsm8k/answered/mean@1": 0.0,
+    }
+    for name, value in expected.items():
+        assert metrics[name] == pytest.approx(value), name
+    assert metrics["val-aux/arith/reward/std@4"] == pytest.approx((0.5 + math.sqrt(3) / 4) / 2)
+
+
+def test_pass_at_k_equals_the_share_of_k_subsets_holding_a_pass():
+    for n, c, k in [(4, 1, 2), (5, 2, 3), (8, 3, 4), (6, 0, 3), (3, 3, 1)]:
+        outcomes = [1] * c + [0] * (n - c)
+        subsets = list(itertools.combinations(outcomes, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    with pytest.raises(ValueError, match="between 1 and"):
+        pass_at_k(4, 1, 5)
+
+
+def test_majority_vote_breaks_ties_by_first_answer_and_ignores_abstentions():
+    assert majority_vote(["3", None, "5", "5", "3"], [0.0, 0.0, 1.0, 1.0, 0.0]) == ("3", 0.0)
+    assert majority_vote([None, None, "5"], [0.0, 0.0, 1.0]) == ("5", 1.0)
+    assert majority_vote([None, None], [0.2, 0.0]) == (None, 0.2)
+    assert majority_vote([], []) == (None, None)
+
+
+def test_evaluation_runs_before_training_every_nth_iteration_and_after_the_last(tmp_path):
+    assert evaluated_iterations(config(tmp_path, iterations=3)) == [None, 0, 1, 2]
+    cfg = config(tmp_path, iterations=5, evaluate={"every": 2, "before_training": False})
+    assert evaluated_iterations(cfg) == [1, 3, 4]
+    no_evaluate = validate_dict({"name": "x", "model": {"path": "m"}, "data": {"train_files": ["d"]}})
+    assert evaluated_iterations(no_evaluate) == []
+
+
+def test_config_mistakes_are_config_errors(tmp_path, toy_model_dir, toy_prompts_dir):
+    with pytest.raises(ConfigError, match="nothing would be evaluated"):
+        config(tmp_path, evaluate={"greedy": False, "num_samples": 0})
+    with pytest.raises(ConfigError, match="two different mean@1"):
+        config(tmp_path, evaluate={"num_samples": 1})
+    with pytest.raises(ConfigError, match="evaluate.files: .*does not exist"):
+        EvaluateStage().check_inputs(config(tmp_path, toy_model_dir, [str(tmp_path / "missing")]))
+    with pytest.raises(ConfigError, match="evaluate.max_new_tokens=9 exceeds generate.max_new_tokens=6"):
+        EvaluateStage().check_inputs(config(tmp_path, toy_model_dir, [toy_prompts_dir], {"max_new_tokens": 9}))
+
+
+def test_compare_reports_core_metrics_in_points():
+    lines = compare({"val-core/arith/reward/mean@1": 0.25, "val-aux/arith/num_prompts": 4},
+                    {"val-core/arith/reward/mean@1": 0.625, "val-aux/arith/num_prompts": 4})
+    assert lines == ["val-core/arith/reward/mean@1: 0.250 -> 0.625 (+37.5 points)"]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from batchrl.stages.generate import EnginePool
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    if EnginePool._current is not None:
+        EnginePool._current.shutdown()
+    ray.shutdown()
+
+
+def run_evaluate(cfg, out_name: str):
+    layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
+    out_dir = f"{layout.run_dir}/{out_name}"
+    ctx = StageContext(cfg=cfg, layout=layout, iteration=None, output_dir=out_dir, fingerprint="e", inputs={},
+                       input_dirs={}, policy_in=cfg.model.path)
+    output = EvaluateStage().run(ctx)
+    return output, read_parquet(f"{out_dir}/{output.parts[0].name}")
+
+
+def test_a_real_evaluation_agrees_with_the_reward_and_resamples_identically(ray_session, tmp_path, toy_model_dir):
+    build_arith_prompts(str(tmp_path / "held_out"), num_prompts=5, num_shards=1, seed=11)
+    cfg = config(tmp_path, toy_model_dir, [str(tmp_path / "held_out")], {"num_samples": 3, "max_new_tokens": 4})
+    output, table = run_evaluate(cfg, "first")
+    assert table.num_rows == 5 and output.counts["prompts"] == 5
+    rows = table.to_pylist()
+    assert all(len(r["sample_responses"]) == len(r["sample_scores"]) == 3 for r in rows)
+    assert [r["greedy_score"] for r in rows] == [gsm8k_strict(r["greedy_response"], r["ground_truth"]) for r in rows]
+    greedy_P = np.array([r["greedy_score"] for r in rows])
+    assert output.stats["val-core/arith/reward/mean@1"] == pytest.approx(greedy_P.mean())
+    assert {"val-core/arith/reward/mean@3", "val-core/arith/reward/pass@3", "val-core/arith/reward/maj@3",
+            "val-aux/arith/response_length/mean@3"} <= set(output.stats)
+    assert all(1 <= n <= 4 for r in rows for n in r["sample_lengths"])
+    assert sorted(output.extra_parts) == ["prompts", "rollouts", "scores"]
+    _, again = run_evaluate(cfg, "second")
+    assert again.column("sample_responses").to_pylist() == table.column("sample_responses").to_pylist()
+    assert again.column("greedy_response").to_pylist() == table.column("greedy_response").to_pylist()
