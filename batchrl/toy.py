@@ -310,6 +310,8 @@ def sft_warm_start(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if (step + 1) % 200 == 0 and step + 1 < num_steps:  # a sign of life: ~1 min in all on 2 idle cores
+            logger.info("SFT warm start: step %d/%d, loss %.3f", step + 1, num_steps, float(np.mean(losses[-10:])))
     model.save_pretrained(str(model_dir), safe_serialization=True)
     stats = {"sft/loss_first": float(np.mean(losses[:10])), "sft/loss_last": float(np.mean(losses[-10:]))}
     logger.info("SFT warm start of %s: %d steps x %d demos, loss %.3f -> %.3f", model_dir, num_steps, batch_size,

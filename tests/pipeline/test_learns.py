@@ -1,9 +1,9 @@
 """batchrl learns: the quickstart pipeline, run for real (toy model built and SFT-warm-started, vLLM on CPU,
-FSDP2 on gloo), raises held-out greedy accuracy by at least 25 points. Slow: several minutes on 2 cores.
+FSDP2 on gloo, the evaluate stage on held-out prompts), raises held-out greedy accuracy by at least 25 points.
+Slow: about 5 minutes on 2 idle cores, toy build included.
 
-Held-out accuracy is measured by the evaluate stage on the initial model and on the last policy. When the
-runner runs the evaluate stage itself (pipelines with an evaluate: section), its numbers for the last policy
-must be the ones measured here: same engine, same seeds, same greedy decoding.
+The numbers come from the runner's own evaluate stage (the initial policy, then every evaluated iteration), so
+this is exactly what `make demo` prints.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from pathlib import Path
 import pytest
 
 from batchrl.config import load_pipeline
-from batchrl.pipeline.stage import StageContext
-from batchrl.stages.evaluate import EvaluateStage, compare
-from batchrl.storage import RunLayout
 
 pytestmark = pytest.mark.slow
 
@@ -34,23 +31,6 @@ def overrides(tmp_path: Path) -> list[str]:
             f"model.path={toy / 'model'}", f"data.train_files=[{toy / 'prompts'}]", f"evaluate.files=[{toy / 'eval'}]"]
 
 
-def evaluate(cfg, policies: dict[str, str]) -> dict[str, dict[str, float]]:
-    """The evaluate stage's metrics for each policy, in one Ray session (one engine, new weights pushed in)."""
-    import ray
-
-    from batchrl.stages.generate import EnginePool
-
-    layout = RunLayout.for_run(cfg.run.root, "direct-eval")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    try:
-        return {name: EvaluateStage().run(StageContext(
-            cfg=cfg, layout=layout, iteration=None, output_dir=f"{layout.run_dir}/{name}", fingerprint=name,
-            inputs={}, input_dirs={}, policy_in=policy)).stats for name, policy in policies.items()}
-    finally:
-        EnginePool._current = None
-        ray.shutdown()
-
-
 def test_the_quickstart_raises_held_out_accuracy_by_25_points(tmp_path):
     args = [arg for o in overrides(tmp_path) for arg in ("--set", o)]
     started = time.perf_counter()
@@ -61,11 +41,16 @@ def test_the_quickstart_raises_held_out_accuracy_by_25_points(tmp_path):
     cfg = load_pipeline(REPO / "pipelines/quickstart.yaml", overrides=overrides(tmp_path))
     run_dir = Path(cfg.run.root) / "learns"
     last = cfg.run.iterations - 1
-    results = evaluate(cfg, {"initial": cfg.model.path, "last": str(run_dir / f"iter_{last:04d}" / "policy")})
-    before, after = results["initial"], results["last"]
-    print(f"quickstart run: {wall_s:.0f} s (toy build included);", *compare(before, after), sep="\n  ")
+    before = json.loads((run_dir / "evaluation" / "_MANIFEST.json").read_text())["stats"]
+    after = json.loads((run_dir / f"iter_{last:04d}" / "evaluation" / "_MANIFEST.json").read_text())["stats"]
+    print(f"quickstart run: {wall_s:.0f} s (toy build included)\n{done.stdout}")
     assert before[GREEDY] <= 0.6, "the warm-started model must start well below ceiling"
     assert after[GREEDY] - before[GREEDY] >= 0.25
-    runner_eval = run_dir / f"iter_{last:04d}" / "evaluation" / "_MANIFEST.json"
-    if runner_eval.exists():  # the runner evaluates too: same numbers
-        assert json.loads(runner_eval.read_text())["stats"][GREEDY] == pytest.approx(after[GREEDY])
+    assert f"{GREEDY}: {before[GREEDY]:.3f} -> {after[GREEDY]:.3f}" in done.stdout  # the summary says so
+
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == list(range(cfg.run.iterations))
+    for m in metrics:  # reward, KL and response length per iteration, as the issue asks
+        assert {"critic/score/mean", "actor/ppo_kl", "response_length/mean"} <= set(m)
+    assert metrics[-1]["critic/score/mean"] > metrics[0]["critic/score/mean"]  # training reward rose too
+    assert metrics[0][f"initial/{GREEDY}"] == before[GREEDY] and metrics[-1][GREEDY] == after[GREEDY]
