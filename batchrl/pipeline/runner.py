@@ -38,6 +38,7 @@ from batchrl.pipeline.lineage import (
     write_lineage,
 )
 from batchrl.pipeline.lock import RunLock
+from batchrl.pipeline.shards import set_embedded_ray
 from batchrl.pipeline.manifest import MANIFEST_NAME, Manifest, damaged_parts, fingerprint, read_manifest, write_manifest
 from batchrl.pipeline.stage import STAGES, StageContext, consumers, planned_iterations, stage_order
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
@@ -450,8 +451,10 @@ def _ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[None]:
     else:
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                  configure_logging=False)
+    set_embedded_ray(not address)
     DataContext.get_current().enable_progress_bars = False
     try:
         yield
     finally:
+        set_embedded_ray(False)
         ray.shutdown()

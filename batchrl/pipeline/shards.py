@@ -35,6 +35,24 @@ from batchrl.storage import join, read_parquet, resolve, sha256_of, write_parque
 logger = logging.getLogger(__name__)
 
 ACTOR_MAX_RESTARTS = 3  # restarts of one pool actor that died (process killed, OOM)
+_EMBEDDED_RAY = {"on": False}  # set by the runner: Ray runs on this machine only (no cluster)
+
+
+def set_embedded_ray(on: bool) -> None:
+    """Tells run_sharded whether the Ray it uses is an embedded local one (see `runs_in_driver`)."""
+    _EMBEDDED_RAY["on"] = on
+
+
+def runs_in_driver(num_jobs: int, *, num_gpus: float) -> bool:
+    """One CPU shard on an embedded local Ray: the driver processes it itself.
+
+    Why: the pool would be one actor on this same machine, so there is no parallelism to gain, and starting
+    it (a new Python process importing the stage's libraries) cost ~1.5 s per stage on the quickstart, as
+    much as generating the shard. Rewards still run in their own child process (score isolation), so a
+    crashing reward cannot take the driver down. Several shards, GPUs or a cluster keep the actor pool.
+    """
+    return _EMBEDDED_RAY["on"] and num_jobs == 1 and not num_gpus
+
 SHARD_MAX_RETRIES = 3  # retries of a shard whose actor died while processing it
 
 
@@ -52,6 +70,9 @@ class ShardWorker:
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Releases what the worker holds (child processes); called when it ran in the driver."""
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         results: dict[str, list] = {"name": [], "rows": [], "sha256": [], "num_bytes": [], "counts_json": []}
@@ -137,7 +158,17 @@ def run_sharded(
 
     parts, counts, jobs = pending_shards(input_dir=input_dir, input_manifest=input_manifest, output_dir=output_dir,
                                          summarize=summarize)
-    if jobs:
+    if jobs and runs_in_driver(len(jobs), num_gpus=num_gpus):
+        worker = worker_cls(**worker_kwargs)
+        try:
+            out = worker({key: [job[key] for job in jobs] for key in jobs[0]})
+        finally:
+            worker.close()
+        for name, rows, digest, size, counts_json in zip(out["name"], out["rows"], out["sha256"], out["num_bytes"],
+                                                         out["counts_json"]):
+            parts[name] = PartInfo(name=name, rows=int(rows), sha256=digest, num_bytes=int(size))
+            add_counts(counts, json.loads(counts_json))
+    elif jobs:
         dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))
         with warnings.catch_warnings():
             # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.

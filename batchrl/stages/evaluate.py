@@ -220,8 +220,7 @@ def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manife
                        "output_uri": [join(scores_dir, p.name) for p in rollouts.parts],
                        "name": [p.name for p in rollouts.parts], "input_sha256": [p.sha256 for p in rollouts.parts]})
     finally:
-        if worker.isolated is not None:
-            worker.isolated.close()
+        worker.close()
     return [PartInfo(name=name, rows=int(rows), sha256=digest, num_bytes=int(size))
             for name, rows, digest, size in zip(done["name"], done["rows"], done["sha256"], done["num_bytes"])]
 

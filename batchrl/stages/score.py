@@ -132,9 +132,13 @@ class ScoreWorker(ShardWorker):
         scores_S, num_truncated = self.reward_model.score(texts)
         return scores_S.astype(np.float64), num_truncated
 
-    def __del__(self) -> None:
+    def close(self) -> None:
         if getattr(self, "isolated", None) is not None:
             self.isolated.close()
+            self.isolated = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 @contextlib.contextmanager

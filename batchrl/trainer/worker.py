@@ -22,6 +22,15 @@ What one update does (PPO-clip or GSPO, as in GRPO):
    before anything is written.
 6. The optimizer state (sharded, DCP) and the HF checkpoint are written; rank 0 writes the metrics last.
 
+Resident mode (`python -m batchrl.trainer.worker --serve`, started by `launch.run_update(..., resident=True)`):
+the rank stays alive and runs one update per spec path read from stdin, so the imports, the process group and,
+when the next update continues from exactly what this one saved, the sharded model, optimizer and tokenizer are
+reused (`Resident`). "Exactly" is checked by content, not by path: the pipeline publishes policy_out and
+trainer_state_out to the run directory and hands the copies to the next update, so the rank records the
+sha256 of every file it saved and reuses its memory only when the next inputs hash the same. The in-memory
+model is then the saved float32 policy and the optimizer what DCP saved, so a resident update computes what a
+fresh process would, bit for bit (tests/stages/test_trainer_resident.py).
+
 Departures from verl: dropout is off (eval mode) so that the recomputed old log-probs equal the first
 step's log-probs exactly (ratio = 1 at the first step); with gradient checkpointing the decoder layers alone
 are put in training mode, which is what transformers checks before checkpointing. Right-padded micro-batches
@@ -30,13 +39,17 @@ instead of verl's padding-free packed sequences (see `batching`).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
 import logging
 import math
 import os
+import select
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -447,27 +460,132 @@ def summarize(step_metrics: list[dict[str, float]], *, spec: UpdateSpec, global_
     return metrics
 
 
+# Spec fields that may change from one update to the next while a resident rank keeps its model and optimizer:
+# where to read and write, which data, the seed. Any other difference (lr, weight decay, dtype, reference, ...)
+# rebuilds them from disk, as a fresh process would.
+PER_UPDATE_FIELDS = frozenset({"policy_in", "policy_out", "advantages_files", "metrics_path", "seed",
+                               "trainer_state_in", "trainer_state_out", "logprobs_out", "progress_path"})
+
+
+@dataclass
+class Resident:
+    """What a resident rank keeps after an update, and what it is an exact copy of.
+
+    `policy_files` / `state_files`: sha256 per relative path of the policy and trainer state it saved (None:
+    no trainer state saved). The next update may reuse the memory only if its inputs hash the same.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: object
+    global_step: int
+    settings: dict
+    policy_files: dict[str, str]
+    state_files: dict[str, str] | None
+
+
+def spec_settings(spec: UpdateSpec) -> dict:
+    """The spec minus PER_UPDATE_FIELDS: what must be equal for a resident rank to reuse its model/optimizer."""
+    return {k: v for k, v in dataclasses.asdict(spec).items() if k not in PER_UPDATE_FIELDS}
+
+
+def checkpoint_files(root: str) -> list[str] | None:
+    """Relative paths of the files under `root`, sorted; entries whose top-level name starts with "_" or "." are
+    not part of a checkpoint (the run's manifest, _trainer_state, _logprobs, a cache's .complete marker).
+    None when `root` is not a local directory (a hub id)."""
+    base = Path(root)
+    if not base.is_dir():
+        return None
+    return sorted(p.relative_to(base).as_posix() for p in base.rglob("*")
+                  if p.is_file() and not p.relative_to(base).parts[0].startswith(("_", ".")))
+
+
+def file_digests(root: str, *, ctx: Dist) -> dict[str, str] | None:
+    """{relative path: sha256} of the checkpoint under `root`, computed by all ranks (each hashes every
+    world_size-th file) and identical on every rank. A collective: every rank must call it."""
+    names = checkpoint_files(root)
+    if names is None:
+        return None
+    mine = {}
+    for name in names[ctx.rank::ctx.world_size]:
+        with open(Path(root) / name, "rb") as f:
+            mine[name] = hashlib.file_digest(f, "sha256").hexdigest()
+    gathered: list[dict[str, str] | None] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, mine)
+    return {name: digest for part in gathered for name, digest in part.items()}
+
+
+def can_reuse(kept: Resident | None, spec: UpdateSpec, *, ctx: Dist) -> bool:
+    """True when `spec` continues from exactly what `kept` holds: same settings, its policy_in has the bytes of the
+    policy `kept` saved, and its trainer_state_in (if any) those of the trainer state `kept` saved.
+
+    Every branch depends on values that are equal on all ranks, so all ranks take the same collectives."""
+    if kept is None or spec_settings(spec) != kept.settings:
+        return False
+    if spec.trainer_state_in is not None and kept.state_files is None:
+        return False
+    if file_digests(spec.policy_in, ctx=ctx) != kept.policy_files:
+        return False
+    return spec.trainer_state_in is None or file_digests(spec.trainer_state_in, ctx=ctx) == kept.state_files
+
+
+def new_optimizer(model: torch.nn.Module, spec: UpdateSpec) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def build_trainer(spec: UpdateSpec, *, ctx: Dist) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, int]:
+    """(model, optimizer, tokenizer, global step) from spec.policy_in and spec.trainer_state_in, on disk."""
+    from transformers import AutoTokenizer
+
+    model = load_model(spec.policy_in, gradient_checkpointing=spec.gradient_checkpointing)
+    tokenizer = AutoTokenizer.from_pretrained(spec.policy_in)
+    shard_model(model, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=spec.cpu_offload)
+    set_dropout_free_mode(model)
+    # Built before any forward: only then does model.parameters() yield the sharded DTensors for every module.
+    optimizer = new_optimizer(model, spec)
+    start_step = 0
+    if spec.trainer_state_in is not None:
+        start_step = load_trainer_state(model, optimizer, in_dir=spec.trainer_state_in)
+    return model, optimizer, tokenizer, start_step
+
+
+def reuse_trainer(kept: Resident, spec: UpdateSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, int]:
+    """What `kept` holds, as build_trainer would load it: without a trainer_state_in a fresh process starts Adam
+    from zero moments at step 0, so the optimizer is replaced by a new one."""
+    if spec.trainer_state_in is not None:
+        return kept.model, kept.optimizer, kept.tokenizer, kept.global_step
+    kept.model.reshard()  # the new optimizer must hold the sharded parameters, as in build_trainer
+    return kept.model, new_optimizer(kept.model, spec), kept.tokenizer, 0
+
+
 def run(spec: UpdateSpec) -> dict[str, float] | None:
-    """The whole update on this rank; returns the metrics on rank 0, None elsewhere."""
-    ctx = init_distributed(spec)
+    """The whole update on this rank, in a fresh process; returns the metrics on rank 0, None elsewhere."""
+    return update(spec, ctx=init_distributed(spec))[0]
+
+
+def update(
+    spec: UpdateSpec, *, ctx: Dist, kept: Resident | None = None, keep: bool = False
+) -> tuple[dict[str, float] | None, Resident | None]:
+    """One update on this rank: (the metrics on rank 0 / None elsewhere, what to keep for the next update).
+
+    `kept`: what the previous update of this process left (reused if `can_reuse`, else freed and rebuilt).
+    `keep`: return a Resident (costs hashing the saved files); else None.
+    """
     torch.manual_seed(spec.seed)
     start = time.perf_counter()
     table = read_advantages(spec.advantages_files)
     check_advantages(table, needs_rollout_logprobs=spec.old_logprobs == "rollout" or spec.rollout_is_cap is not None)
     samples = samples_from_table(table)
-    model = load_model(spec.policy_in, gradient_checkpointing=spec.gradient_checkpointing)
+    reused = can_reuse(kept, spec, ctx=ctx)
+    if reused:
+        model, optimizer, tokenizer, start_step = reuse_trainer(kept, spec)
+    else:
+        kept = None  # free the previous model and optimizer before loading the next
+        gc.collect()
+        model, optimizer, tokenizer, start_step = build_trainer(spec, ctx=ctx)
+    kept = None
     check_token_ids(table, vocab_size=model.get_input_embeddings().num_embeddings)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(spec.policy_in)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    shard_model(model, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=spec.cpu_offload)
-    set_dropout_free_mode(model)
-    # Built before any forward: only then does model.parameters() yield the sharded DTensors for every module.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    start_step = 0
-    if spec.trainer_state_in is not None:
-        start_step = load_trainer_state(model, optimizer, in_dir=spec.trainer_state_in)
     load_time = time.perf_counter() - start
 
     progress = ProgressWriter(spec.progress_path if ctx.rank == 0 else None)
@@ -488,9 +606,17 @@ def run(spec: UpdateSpec) -> dict[str, float] | None:
     if spec.trainer_state_out is not None:
         save_trainer_state(model, optimizer, out_dir=spec.trainer_state_out, global_step=global_step, rank=ctx.rank)
     save_policy(model, tokenizer, policy_out=spec.policy_out, rank=ctx.rank)
+    save_time = time.perf_counter() - save_start
+    if keep:
+        optimizer.zero_grad(set_to_none=True)  # the next step zeroes them anyway; free the memory meanwhile
+        kept = Resident(model=model, optimizer=optimizer, tokenizer=tokenizer, global_step=global_step,
+                        settings=spec_settings(spec), policy_files=file_digests(spec.policy_out, ctx=ctx),
+                        state_files=None if spec.trainer_state_out is None
+                        else file_digests(spec.trainer_state_out, ctx=ctx))
     metrics = summarize(step_metrics, spec=spec, global_step=global_step)
     metrics |= {
         "actor/optimizer_state_restored": float(spec.trainer_state_in is not None),
+        "actor/trainer_reused": float(reused),
         "perf/num_tokens": float(samples.loss_tokens_N.sum()),
         "perf/num_samples": float(samples.num_samples),
         "perf/update_time_s": save_start - logprob_start,
@@ -498,15 +624,47 @@ def run(spec: UpdateSpec) -> dict[str, float] | None:
         "perf/train_time_s": train_time,
         "perf/train_tokens_per_s": metrics["perf/real_tokens"] / max(train_time, 1e-9),
         "perf/load_time_s": load_time,
-        "perf/save_time_s": time.perf_counter() - save_start,
+        "perf/save_time_s": save_time,
     }
-    return metrics if ctx.rank == 0 else None
+    return (metrics if ctx.rank == 0 else None), kept
+
+
+def serve() -> None:
+    """Resident mode: for each spec path read from stdin, one update, then an empty `<spec path>.rank<R>.done`
+    file (rank 0 writes the metrics before it). An error exits the process, as in one-shot mode: the launcher
+    then kills the other ranks (stuck in a collective) and reports this rank's stderr."""
+    rank = os.environ.get("RANK", "0")
+    ctx, kept = None, None
+    for spec_path in _commands():
+        spec = UpdateSpec.from_json(spec_path)
+        ctx = ctx or init_distributed(spec)
+        metrics, kept = update(spec, ctx=ctx, kept=kept, keep=True)
+        if metrics is not None:
+            write_json_atomic(spec.metrics_path, metrics)
+        Path(f"{spec_path}.rank{rank}.done").touch()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _commands():
+    """Spec paths, one per stdin line, until stdin closes or the launching process dies (this rank would be
+    orphaned; a forked child of the launcher could keep stdin open, so the parent is checked too)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        readable, _, _ = select.select([sys.stdin], [], [], 1.0)
+        if not readable:
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.strip()
 
 
 def main() -> None:
     """Entry point of one rank. Logging is configured here because this is a process's main, like cli.py."""
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m batchrl.trainer.worker SPEC.json")
+        raise SystemExit("usage: python -m batchrl.trainer.worker SPEC.json | --serve")
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     try:
@@ -515,11 +673,14 @@ def main() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    spec = UpdateSpec.from_json(sys.argv[1])
-    metrics = run(spec)
-    if metrics is not None:
-        write_json_atomic(spec.metrics_path, metrics)
-    dist.destroy_process_group()
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        spec = UpdateSpec.from_json(sys.argv[1])
+        metrics = run(spec)
+        if metrics is not None:
+            write_json_atomic(spec.metrics_path, metrics)
+        dist.destroy_process_group()
     # Skip interpreter finalisation: gloo's worker threads can still hold tensors whose destruction during
     # teardown aborts the process (SIGABRT, "terminate called without an active exception"; seen in CI).
     # Everything this rank owed is written and flushed by now.

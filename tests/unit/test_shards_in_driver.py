@@ -1,0 +1,77 @@
+"""run_sharded processes a lone CPU shard in the driver on an embedded Ray (no actor start) and gives the same
+part, counts and sha256 as the actor pool; several shards, GPUs or a cluster keep the pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrl.pipeline.manifest import Manifest, PartInfo
+from batchrl.pipeline.schemas import load_schema
+from batchrl.pipeline.shards import ShardWorker, run_sharded, runs_in_driver, set_embedded_ray
+from batchrl.storage import write_parquet_atomic
+
+
+class Shouter(ShardWorker):
+    """Appends a suffix to every prompt text of a prompts table."""
+
+    schema = "prompts"
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        texts = [t + self.suffix for t in table.column("prompt_text").to_pylist()]
+        table = table.set_column(table.column_names.index("prompt_text"), "prompt_text", pa.array(texts))
+        return table, {"rows": float(table.num_rows)}
+
+
+def one_part(tmp_path) -> Manifest:
+    rows = [{"prompt_id": f"p{i}", "data_source": "arith", "messages_json": "[]", "prompt_text": f"q{i}",
+             "prompt_token_ids": [1, 2], "ground_truth": "1", "extra_info_json": None, "source_file": "f",
+             "source_row": i} for i in range(3)]
+    table = pa.Table.from_pylist(rows, schema=load_schema("prompts"))
+    num_bytes, digest = write_parquet_atomic(table, str(tmp_path / "in" / "part-00000.parquet"))
+    return Manifest(stage="s", table="t", iteration=None, fingerprint="f", schema="",
+                    parts=[PartInfo(name="part-00000.parquet", rows=3, sha256=digest, num_bytes=num_bytes)],
+                    started_at=0.0, finished_at=0.0)
+
+
+def run(tmp_path, out: str, manifest: Manifest):
+    return run_sharded(input_dir=str(tmp_path / "in"), input_manifest=manifest, output_dir=str(tmp_path / out),
+                       worker_cls=Shouter, worker_kwargs={"suffix": "!"}, summarize=lambda t: {"rows": t.num_rows},
+                       concurrency=2, num_cpus=1, progress_bars=False)
+
+
+def test_only_a_lone_cpu_shard_on_an_embedded_ray_runs_in_the_driver():
+    set_embedded_ray(True)
+    try:
+        assert runs_in_driver(1, num_gpus=0) and not runs_in_driver(2, num_gpus=0)
+        assert not runs_in_driver(1, num_gpus=1)
+    finally:
+        set_embedded_ray(False)
+    assert not runs_in_driver(1, num_gpus=0)  # a cluster (or no runner): the actor pool
+
+
+def test_the_driver_writes_the_same_part_as_the_actor_pool(tmp_path):
+    import ray
+
+    manifest = one_part(tmp_path)
+    set_embedded_ray(True)
+    try:
+        assert not ray.is_initialized()
+        local_parts, local_counts = run(tmp_path, "local", manifest)
+        assert not ray.is_initialized()  # no Ray at all was needed
+    finally:
+        set_embedded_ray(False)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+    try:
+        pool_parts, pool_counts = run(tmp_path, "pool", manifest)
+    finally:
+        ray.shutdown()
+    assert local_parts == pool_parts and local_counts == pool_counts == {"rows": 3.0}
+    written = pq.read_table(tmp_path / "local" / "part-00000.parquet").column("prompt_text").to_pylist()
+    assert written == ["q0!", "q1!", "q2!"]
