@@ -174,6 +174,15 @@ class AdvantageConfig(_Strict):
                          "weighted by its response tokens as verl's masked_whiten.")
     whiten_epsilon: float = Field(1e-8, gt=0, description="Added to the batch variance when whitening "
                                   "(whiten: true, and reinforce_pp_baseline).")
+    kl_in_reward_coef: float = Field(0.0, ge=0, description="KL to the reference policy (model.path) folded into "
+                                     "the reward before advantages: each sample's score minus coef x its summed "
+                                     "per-token KL (verl's use_kl_in_reward with a fixed kl_ctrl.kl_coef). The "
+                                     "policy side is the rollout's own log-probs; the stage loads the reference "
+                                     "model to score the responses. 0 = off. Metrics: actor/reward_kl_penalty.")
+    kl_in_reward_estimator: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"] = Field(
+        "k1", description="Per-token KL estimator folded into the reward (verl's kl_penalty; k1 = logp - ref_logp).")
+    kl_in_reward_max_tokens: int = Field(8192, ge=1, description="Padded-token budget of one reference forward "
+                                         "micro-batch when kl_in_reward_coef > 0.")
 
     @model_validator(mode="after")
     def _check_options(self) -> "AdvantageConfig":
@@ -240,6 +249,14 @@ class UpdateConfig(_Strict):
                                                      "newest; older ones are deleted. 0 = never save them (Adam restarts "
                                                      "each iteration); None = keep all.")
     timeout_s: float | None = Field(None, gt=0, description="Abort the update if it runs longer than this.")
+    trainer_lifetime: Literal["run", "stage"] = Field("run", description="run: the update's torch.distributed "
+                                                      "processes start at the first update and stay for the "
+                                                      "whole run, keeping their imports, process group and, when "
+                                                      "the next update starts from the policy and optimizer state "
+                                                      "they saved (checked by sha256), the sharded model and "
+                                                      "optimizer in memory; CPU (gloo) only, on GPUs (nccl) fresh "
+                                                      "processes are used as with stage. stage: fresh processes "
+                                                      "for every update. Results are identical either way.")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "UpdateConfig":

@@ -8,6 +8,12 @@ Batch-level statistics (whitening, REINFORCE++-baseline) need the whole batch, n
 first sums mergeable moments over every shard on the driver (reading only the scores and lengths),
 then each shard is whitened with those global moments, so the result equals whitening the whole batch
 at once. DAPO group filtering drops groups whose rewards are all equal and counts them.
+
+KL folded into the reward (``advantage.kl_in_reward_coef``): each sample's reward becomes its score minus
+coef x its summed per-token KL(behaviour || reference), before the estimator sees it. The behaviour side is
+the rollout's own per-token log-probs (the policy that sampled them); the reference side is computed here by
+the reference model (``model.path``, as the update's KL loss), loaded once per worker. Filtering still looks
+at the scores (a group whose answers all fail is still without signal, whatever its KL).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from batchrl.algorithms.advantages import (
 from batchrl.config import PipelineConfig
 from batchrl.config.models import AdvantageConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
 from batchrl.storage import join, read_parquet
 
 logger = logging.getLogger(__name__)
@@ -57,6 +63,51 @@ def shard_groups(table: pa.Table, *, filter_groups: bool) -> ShardGroups:
                        lengths_PG=lengths_PG[keep_P], num_filtered=int((~keep_P).sum()))
 
 
+class RewardKL:
+    """Summed per-token KL(behaviour || reference) of every sample of a group table, [P, n]."""
+
+    def __init__(self, reference_path: str, *, estimator: str, max_tokens: int):
+        from transformers import AutoTokenizer
+
+        from batchrl.storage import local_copy
+        from batchrl.trainer.reference import load_frozen_model
+
+        local = local_copy(reference_path)
+        self.model = load_frozen_model(local)
+        tokenizer = AutoTokenizer.from_pretrained(local)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.estimator, self.max_tokens = estimator, max_tokens
+
+    def __call__(self, groups: ShardGroups) -> np.ndarray:
+        import torch
+
+        from batchrl.algorithms.kl import kl_penalty
+        from batchrl.trainer.data import samples_from_table
+        from batchrl.trainer.reference import response_logprobs
+
+        if groups.rewards_PG.size == 0:
+            return np.zeros_like(groups.rewards_PG)
+        samples = samples_from_table(explode_groups(groups.table, np.zeros_like(groups.rewards_PG)))
+        behaviour = samples.flat_rollout_logprobs()
+        if len(behaviour) != int(samples.response_offsets_N1[-1]):
+            raise DataError("kl_in_reward needs the rollouts' per-token log-probs, and some are missing or of "
+                            "another length than their responses")
+        reference = response_logprobs(self.model, samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
+        kl_flat = kl_penalty(torch.from_numpy(behaviour)[None], torch.from_numpy(reference)[None],
+                             estimator=self.estimator)[0].double().numpy()
+        # Per-sample sums; samples keep explode_groups' row-major [P, n] order, and empty responses sum to 0.
+        summed_N = np.diff(np.concatenate([[0.0], np.cumsum(kl_flat)])[samples.response_offsets_N1])
+        return summed_N.reshape(groups.rewards_PG.shape)
+
+
+def kl_penalized(groups: ShardGroups, reward_kl: RewardKL | None, coef: float) -> tuple[ShardGroups, np.ndarray | None]:
+    """(groups with rewards - coef x summed KL, the summed KL [P, n]); unchanged and None without KL."""
+    if reward_kl is None:
+        return groups, None
+    kl_PG = reward_kl(groups)
+    return dataclasses.replace(groups, rewards_PG=groups.rewards_PG - coef * kl_PG), kl_PG
+
+
 def raw_advantages(groups: ShardGroups, cfg: AdvantageConfig) -> np.ndarray:
     """Advantages before any batch-level whitening."""
     if groups.rewards_PG.size == 0:
@@ -78,21 +129,35 @@ def needs_batch_moments(cfg: AdvantageConfig) -> bool:
 class AdvantageWorker(ShardWorker):
     schema = "advantages"
 
-    def __init__(self, *, config: dict[str, Any], moments: dict[str, float] | None):
+    def __init__(self, *, config: dict[str, Any], moments: dict[str, float] | None, reference_path: str | None = None):
         self.cfg = AdvantageConfig.model_validate(config)
         self.moments = BatchMoments(**moments) if moments is not None else None
+        self.reward_kl = reward_kl_for(self.cfg, reference_path)
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         groups = shard_groups(table, filter_groups=self.cfg.filter_groups)
+        groups, kl_PG = kl_penalized(groups, self.reward_kl, self.cfg.kl_in_reward_coef)
         advantages_PG = raw_advantages(groups, self.cfg)
         if self.moments is not None and advantages_PG.size:
             advantages_PG = whiten(advantages_PG, eps=self.cfg.whiten_epsilon, weights=groups.lengths_PG,
                                    moments=self.moments)
-        out = explode_groups(groups.table, advantages_PG)
-        return out, summarize_advantages(out) | {"groups_filtered": groups.num_filtered}
+        out = explode_groups(groups.table, advantages_PG, reward_kl_PG=kl_PG)
+        counts = summarize_advantages(out) | {"groups_filtered": groups.num_filtered}
+        if kl_PG is not None:  # verl's actor/reward_kl_penalty: the mean over samples of the per-token mean KL
+            tokens_PG = np.maximum(groups.lengths_PG, 1.0)
+            counts["reward_kl_token_mean_sum"] = float((kl_PG / tokens_PG).sum())
+        return out, counts
 
 
-def explode_groups(table: pa.Table, advantages_PG: np.ndarray) -> pa.Table:
+def reward_kl_for(cfg: AdvantageConfig, reference_path: str | None) -> RewardKL | None:
+    if cfg.kl_in_reward_coef <= 0:
+        return None
+    if reference_path is None:
+        raise AssertionError("advantage.kl_in_reward_coef > 0 needs the reference model path")
+    return RewardKL(reference_path, estimator=cfg.kl_in_reward_estimator, max_tokens=cfg.kl_in_reward_max_tokens)
+
+
+def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: np.ndarray | None = None) -> pa.Table:
     """One row per sample: scalar columns repeat per sample, list-of-sample columns are flattened."""
     num_samples_P = np.asarray([len(g) for g in table.column("scores").to_pylist()], dtype=np.int64)
     take_S = np.repeat(np.arange(table.num_rows), num_samples_P)
@@ -109,6 +174,8 @@ def explode_groups(table: pa.Table, advantages_PG: np.ndarray) -> pa.Table:
         columns[out_name] = pa.concat_arrays([c.flatten() for c in table.column(list_name).chunks]) \
             if table.num_rows else pa.array([], table.schema.field(list_name).type.value_type)
     columns["advantage"] = pa.array(advantages_PG.reshape(-1), pa.float32())
+    columns["reward_kl"] = pa.array(reward_kl_PG.reshape(-1), pa.float32()) if reward_kl_PG is not None \
+        else pa.nulls(int(num_samples_P.sum()), pa.float32())
     return pa.table(columns)
 
 
@@ -124,9 +191,12 @@ def summarize_advantages(table: pa.Table) -> dict[str, float]:
 def global_moments(ctx: StageContext, cfg: AdvantageConfig) -> BatchMoments:
     """First pass: moments of the pre-whitening advantages over every shard (token-weighted)."""
     total = BatchMoments(0.0, 0.0, 0.0)
+    reward_kl = reward_kl_for(cfg, ctx.cfg.model.path)  # the same penalised rewards the workers will see
+    columns = None if reward_kl is not None else ["scores", "response_lengths"]
     for part in ctx.inputs["scores"].parts:
-        table = read_parquet(join(ctx.input_dirs["scores"], part.name), columns=["scores", "response_lengths"])
-        groups = shard_groups(table, filter_groups=cfg.filter_groups)
+        table = read_parquet(join(ctx.input_dirs["scores"], part.name), columns=columns)
+        groups, _ = kl_penalized(shard_groups(table, filter_groups=cfg.filter_groups), reward_kl,
+                                 cfg.kl_in_reward_coef)
         total = total + batch_moments(raw_advantages(groups, cfg), weights=groups.lengths_PG)
     return total
 
@@ -140,22 +210,30 @@ class AdvantageStage:
     per_iteration = True
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        return {"advantage": cfg.advantage.model_dump(exclude_defaults=True)}
+        config: dict[str, Any] = {"advantage": cfg.advantage.model_dump(exclude_defaults=True)}
+        if cfg.advantage.kl_in_reward_coef > 0:
+            config["reference"] = cfg.model.path
+        return config
 
     def run(self, ctx: StageContext) -> StageOutput:
         a = ctx.cfg.advantage
         moments = dataclasses.asdict(global_moments(ctx, a)) if needs_batch_moments(a) else None
         parts, counts = run_sharded(
             input_dir=ctx.input_dirs["scores"], input_manifest=ctx.inputs["scores"], output_dir=ctx.output_dir,
-            worker_cls=AdvantageWorker, worker_kwargs={"config": a.model_dump(), "moments": moments},
+            worker_cls=AdvantageWorker, worker_kwargs={"config": a.model_dump(), "moments": moments,
+                                                        "reference_path": ctx.cfg.model.path},
             summarize=summarize_advantages, concurrency=max(1, ctx.cfg.ray.num_cpus or 2), num_cpus=1,
             description="advantage", progress_bars=ctx.cfg.tracking.progress_bars)
         n = counts.get("num_samples", 0)
         stats = {"critic/advantages/mean": counts["advantage_sum"] / n, "critic/advantages/max": counts["advantage_max"],
                  "critic/advantages/min": counts["advantage_min"]} if n else {}
+        if a.kl_in_reward_coef > 0 and n:
+            stats["actor/reward_kl_penalty"] = counts["reward_kl_token_mean_sum"] / n
+            stats["actor/reward_kl_penalty_coeff"] = a.kl_in_reward_coef
         if a.filter_groups:
             stats["critic/groups_filtered"] = counts.get("groups_filtered", 0)
             logger.info("dynamic sampling dropped %d group(s) whose rewards were all equal",
                         counts.get("groups_filtered", 0))
-        return StageOutput(parts=parts, counts={k: int(v) for k, v in counts.items() if not k.startswith("advantage")},
+        return StageOutput(parts=parts, counts={k: int(v) for k, v in counts.items()
+                                                if not k.startswith(("advantage", "reward_kl"))},
                            stats=stats)

@@ -52,20 +52,23 @@ class UpdateStage:
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         u = cfg.update
-        return {"update": u.model_dump(exclude={"timeout_s", "keep_last_k_optimizer_states"}),
+        return {"update": u.model_dump(exclude={"timeout_s", "keep_last_k_optimizer_states", "trainer_lifetime"}),
                 "saves_optimizer_state": u.keep_last_k_optimizer_states != 0, "seed": cfg.run.seed,
                 "dtype": cfg.model.dtype, "schedule_iterations": _schedule_iterations(cfg),
                 "norm_length": _norm_length(cfg), "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None}
 
     def run(self, ctx: StageContext) -> StageOutput:
-        from batchrl.trainer import run_update
+        from batchrl.trainer import run_update, shutdown_trainers
 
+        resident = ctx.cfg.update.trainer_lifetime == "run"
+        if not resident:
+            shutdown_trainers()  # ranks left resident by an earlier configuration in this process
         _prune_trainer_states(ctx)
         with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
             spec = _spec(ctx, scratch)
             with progress(None, "update: loading", enabled=ctx.cfg.tracking.progress_bars) as bar:
                 show = _progress_display(bar) if bar.drawn else None  # no bar: the ranks write no progress file
-                metrics = run_update(spec, timeout_s=ctx.cfg.update.timeout_s, on_progress=show)
+                metrics = run_update(spec, timeout_s=ctx.cfg.update.timeout_s, on_progress=show, resident=resident)
                 if show is not None:
                     show({"phase": "finished"})
             parts = _publish_dir(Path(spec.policy_out), ctx.output_dir, prefix="")

@@ -4,19 +4,32 @@ Why our own launcher rather than torchrun: the pipeline needs a Python call that
 raises with the failing rank's error, kills the surviving ranks (which would otherwise hang in a collective
 forever), and honours a timeout. Placement is the only thing here: the worker knows nothing about how it
 was started, so a Ray placement-group launcher can replace this module without touching the worker.
+
+Two lifetimes. One-shot (default): N fresh processes per update, each importing torch/transformers, joining
+the process group and loading the model and optimizer state from disk (seconds each time). Resident
+(`resident=True`): the N ranks of the first update stay alive in a module-level pool and take each later update
+as a command (its spec path on their stdin; each rank answers with a done file), reusing their imports, process
+group and, when the update continues from what they saved, their model and optimizer (see `worker`). Any
+failure (a rank that exits, an error, the timeout) kills the pool and raises as one-shot does; the next update
+starts a fresh one. Residency is for CPU (gloo) ranks only: on GPUs the ranks would hold the device memory
+that the generation engine needs between updates. `shutdown_trainers()` ends the pool (also at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +50,7 @@ def run_update(
     *,
     timeout_s: float | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
+    resident: bool = False,
 ) -> dict[str, float]:
     """Run one policy update in `spec.num_processes` local processes; return the metrics rank 0 wrote.
 
@@ -45,18 +59,20 @@ def run_update(
     `on_progress(record)` is called in this process, between polls of the ranks, with each record rank 0
     reports (see `progress_file`; e.g. to draw a bar); it runs only here, so it cannot slow the ranks, and one
     that raises is switched off with a warning rather than failing the update.
+    `resident=True` runs it on the pool of resident ranks (started on first use; see the module docstring);
+    the results are the same as with fresh processes. Ignored (fresh processes) unless the ranks use gloo.
     """
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0 (or None for no limit)")
     _check_gpu_only_options(spec)
     Path(spec.metrics_path).unlink(missing_ok=True)  # never return a previous run's metrics
+    if resident and _resolved_backend(spec) == "gloo":
+        with _POOL_LOCK:
+            return _run_on_pool(spec, timeout_s=timeout_s, on_progress=on_progress)
+    if resident:
+        logger.info("update: resident trainer ranks are CPU-only (gloo); starting fresh %s ranks", spec.backend)
     with tempfile.TemporaryDirectory(prefix="batchrl-update-") as tmp:
-        poll_progress = None
-        if on_progress is not None:
-            if spec.progress_path is None:
-                spec = dataclasses.replace(spec, progress_path=str(Path(tmp) / "progress.jsonl"))
-            Path(spec.progress_path).unlink(missing_ok=True)  # never replay a previous run's records
-            poll_progress = _progress_poller(ProgressReader(spec.progress_path), on_progress)
+        spec, poll_progress = _with_progress(spec, on_progress, tmp)
         spec_path = Path(tmp) / "spec.json"
         spec.to_json(spec_path)
         port = _free_port()
@@ -75,8 +91,147 @@ def run_update(
             raise RuntimeError(failure)
         logger.debug("rank 0 log tail:\n%s", _tail(workers[0]["stderr_path"]))
         logger.info("update finished in %.1f s on %d process(es)", time.perf_counter() - started, len(workers))
+    return _read_metrics(spec)
+
+
+def shutdown_trainers() -> None:
+    """End the resident ranks, if any: close their stdin (they exit), kill those still running after a grace
+    period, delete their logs. Safe to call any time between updates; registered with atexit."""
+    global _POOL
+    with _POOL_LOCK:
+        pool, _POOL = _POOL, None
+        if pool is not None:
+            pool.close()
+
+
+@dataclass
+class _Pool:
+    """The resident ranks of one (world size, backend, environment), their logs, and the updates they ran."""
+
+    key: tuple
+    workers: list[dict]
+    log_dir: Path
+    updates: int = 0
+    _closed: bool = field(default=False, repr=False)
+
+    def alive(self) -> bool:
+        return all(w["process"].poll() is None for w in self.workers)
+
+    def send(self, spec_path: Path) -> None:
+        for w in self.workers:
+            w["process"].stdin.write(f"{spec_path}\n".encode())
+            w["process"].stdin.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self.workers:
+            try:
+                w["process"].stdin.close()
+            except OSError:
+                pass  # a rank that died already
+        deadline = time.monotonic() + KILL_GRACE_S
+        for w in self.workers:
+            try:
+                w["process"].wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_all(self.workers)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+_POOL: _Pool | None = None
+_POOL_LOCK = threading.RLock()
+atexit.register(shutdown_trainers)
+
+
+def _pool_key(spec: UpdateSpec) -> tuple:
+    """What the rank processes are fixed to at start: the process group and the environment they inherit."""
+    env = tuple(os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH"))
+    return (spec.num_processes, spec.backend, sys.executable, env)
+
+
+def _get_pool(spec: UpdateSpec) -> _Pool:
+    """The pool for `spec`: the current one if its key matches and every rank is alive, else a new one (a rank
+    that died between updates, e.g. killed by the OOM killer, only costs a restart)."""
+    global _POOL
+    key = _pool_key(spec)
+    if _POOL is not None and (_POOL.key != key or not _POOL.alive()):
+        dead = [w["rank"] for w in _POOL.workers if w["process"].poll() is not None]
+        if dead:
+            logger.warning("update: resident rank(s) %s exited between updates; starting fresh ranks", dead)
+        _POOL.close()
+        _POOL = None
+    if _POOL is None:
+        log_dir = Path(tempfile.mkdtemp(prefix="batchrl-trainers-"))
+        port = _free_port()
+        workers = [_start_worker(None, rank=rank, world_size=spec.num_processes, port=port, log_dir=log_dir)
+                   for rank in range(spec.num_processes)]
+        _POOL = _Pool(key=key, workers=workers, log_dir=log_dir)
+        logger.info("started %d resident update rank(s)", spec.num_processes)
+    return _POOL
+
+
+def _run_on_pool(
+    spec: UpdateSpec, *, timeout_s: float | None, on_progress: Callable[[dict[str, Any]], None] | None
+) -> dict[str, float]:
+    """One update as a command to the resident ranks; any failure drops the pool (killing every rank)."""
+    global _POOL
+    pool = _get_pool(spec)
+    command_dir = Path(tempfile.mkdtemp(prefix=f"update-{pool.updates:04d}-", dir=pool.log_dir))
+    try:
+        spec, poll_progress = _with_progress(spec, on_progress, str(command_dir))
+        spec_path = command_dir / "spec.json"
+        spec.to_json(spec_path)
+        for w in pool.workers:  # this command's part of each rank's log, for the error message
+            w["log_offset"] = w["stderr_path"].stat().st_size
+        started = time.perf_counter()
+        try:
+            pool.send(spec_path)
+        except OSError as error:  # a rank died between the liveness check and now; the wait reports it
+            logger.debug("sending the update to the resident ranks failed: %r", error)
+        done_files = {w["rank"]: Path(f"{spec_path}.rank{w['rank']}.done") for w in pool.workers}
+        failure = _wait_for_workers(pool.workers, timeout_s=timeout_s, on_poll=poll_progress,
+                                    done=lambda w: done_files[w["rank"]].exists())
+        if poll_progress is not None:
+            poll_progress()
+        if failure is not None:
+            raise RuntimeError(failure)
+        pool.updates += 1
+        logger.info("update finished in %.1f s on %d resident process(es) (update %d of these ranks)",
+                    time.perf_counter() - started, len(pool.workers), pool.updates)
+    except BaseException:
+        _POOL = None
+        pool.close()
+        raise
+    shutil.rmtree(command_dir, ignore_errors=True)
+    return _read_metrics(spec)
+
+
+def _with_progress(
+    spec: UpdateSpec, on_progress: Callable[[dict[str, Any]], None] | None, tmp: str
+) -> tuple[UpdateSpec, Callable[[], None] | None]:
+    """The spec with a progress file (under `tmp` unless it names one) and its poller, when progress is wanted."""
+    if on_progress is None:
+        return spec, None
+    if spec.progress_path is None:
+        spec = dataclasses.replace(spec, progress_path=str(Path(tmp) / "progress.jsonl"))
+    Path(spec.progress_path).unlink(missing_ok=True)  # never replay a previous run's records
+    return spec, _progress_poller(ProgressReader(spec.progress_path), on_progress)
+
+
+def _read_metrics(spec: UpdateSpec) -> dict[str, float]:
     with open(spec.metrics_path, encoding="utf-8") as f:
         return {name: float(value) for name, value in json.load(f).items()}
+
+
+def _resolved_backend(spec: UpdateSpec) -> str:
+    if spec.backend != "auto":
+        return spec.backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _check_gpu_only_options(spec: UpdateSpec) -> None:
@@ -115,13 +270,15 @@ def _worker_env(*, rank: int, world_size: int, port: int) -> dict[str, str]:
     return env
 
 
-def _start_worker(spec_path: Path, *, rank: int, world_size: int, port: int, log_dir: Path) -> dict:
-    """Popen one rank with its stdout/stderr in files (pipes could fill up and block the worker)."""
+def _start_worker(spec_path: Path | None, *, rank: int, world_size: int, port: int, log_dir: Path) -> dict:
+    """Popen one rank with its stdout/stderr in files (pipes could fill up and block the worker); without a
+    spec path, a resident rank that reads spec paths from its stdin (a pipe)."""
     stdout_path, stderr_path = log_dir / f"rank{rank}.out", log_dir / f"rank{rank}.err"
     with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "batchrl.trainer.worker", str(spec_path)],
+            [sys.executable, "-m", "batchrl.trainer.worker", "--serve" if spec_path is None else str(spec_path)],
             env=_worker_env(rank=rank, world_size=world_size, port=port),
+            stdin=subprocess.PIPE if spec_path is None else None,
             stdout=stdout,
             stderr=stderr,
         )
@@ -148,27 +305,38 @@ def _progress_poller(reader: ProgressReader, on_progress: Callable[[dict[str, An
 
 
 def _wait_for_workers(
-    workers: list[dict], *, timeout_s: float | None, on_poll: Callable[[], None] | None = None
+    workers: list[dict],
+    *,
+    timeout_s: float | None,
+    on_poll: Callable[[], None] | None = None,
+    done: Callable[[dict], bool] | None = None,
 ) -> str | None:
-    """Poll until all ranks exit 0 (None) or one fails or time runs out (a message naming the culprits).
+    """Poll until all ranks are done (None) or one fails or time runs out (a message naming the culprits).
 
+    Done: exited with 0, or, for resident ranks, `done(worker)` (and then any exit is a failure).
     `on_poll()` runs once per poll (every POLL_INTERVAL_S), e.g. to read rank 0's progress."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         if on_poll is not None:
             on_poll()
         codes = [w["process"].poll() for w in workers]
-        failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
+        if done is None:
+            failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
+            finished = all(code == 0 for code in codes)
+        else:
+            failed = [w for w, code in zip(workers, codes) if code is not None]
+            finished = all(done(w) for w in workers)
         if failed:
             return "\n".join(
                 f"update rank {w['rank']} exited with code {w['process'].returncode}; stderr tail:\n"
-                f"{_tail(w['stderr_path'])}"
+                f"{_tail(w['stderr_path'], start=w.get('log_offset', 0))}"
                 for w in failed[:2]
             )
-        if all(code == 0 for code in codes):
+        if finished:
             return None
         if deadline is not None and time.monotonic() > deadline:
-            return f"update timed out after {timeout_s} s; rank 0 stderr tail:\n{_tail(workers[0]['stderr_path'])}"
+            return (f"update timed out after {timeout_s} s; rank 0 stderr tail:\n"
+                    f"{_tail(workers[0]['stderr_path'], start=workers[0].get('log_offset', 0))}")
         time.sleep(POLL_INTERVAL_S)
 
 
@@ -186,6 +354,10 @@ def _kill_all(workers: list[dict]) -> None:
             process.wait()
 
 
-def _tail(path: Path) -> str:
-    text = path.read_text(encoding="utf-8", errors="replace")
+def _tail(path: Path, *, start: int = 0) -> str:
+    """The last STDERR_TAIL_CHARS of the log from byte `start` (a resident rank's current command), or of the
+    whole log when that part is empty."""
+    with open(path, "rb") as f:
+        data = f.read()
+    text = (data[start:] or data).decode("utf-8", errors="replace")
     return text[-STDERR_TAIL_CHARS:]

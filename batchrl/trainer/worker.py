@@ -634,11 +634,12 @@ def serve() -> None:
     file (rank 0 writes the metrics before it). An error exits the process, as in one-shot mode: the launcher
     then kills the other ranks (stuck in a collective) and reports this rank's stderr."""
     rank = os.environ.get("RANK", "0")
-    ctx, kept = None, None
+    ctx, kept = None, []  # kept: at most one Resident, popped into update() so that a rebuild can free it first
     for spec_path in _commands():
         spec = UpdateSpec.from_json(spec_path)
         ctx = ctx or init_distributed(spec)
-        metrics, kept = update(spec, ctx=ctx, kept=kept, keep=True)
+        metrics, resident = update(spec, ctx=ctx, kept=kept.pop() if kept else None, keep=True)
+        kept.append(resident)
         if metrics is not None:
             write_json_atomic(spec.metrics_path, metrics)
         Path(f"{spec_path}.rank{rank}.done").touch()
@@ -648,17 +649,22 @@ def serve() -> None:
 
 def _commands():
     """Spec paths, one per stdin line, until stdin closes or the launching process dies (this rank would be
-    orphaned; a forked child of the launcher could keep stdin open, so the parent is checked too)."""
-    parent = os.getppid()
+    orphaned; a forked child of the launcher could keep stdin open, so the parent is checked too). Reads the raw
+    file descriptor: a buffered reader could hold a line that select() no longer reports."""
+    parent, fd, buffer = os.getppid(), sys.stdin.fileno(), b""
     while os.getppid() == parent:
-        readable, _, _ = select.select([sys.stdin], [], [], 1.0)
+        if b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            if line.strip():
+                yield line.decode().strip()
+            continue
+        readable, _, _ = select.select([fd], [], [], 1.0)
         if not readable:
             continue
-        line = sys.stdin.readline()
-        if not line:
+        chunk = os.read(fd, 4096)
+        if not chunk:
             return
-        if line.strip():
-            yield line.strip()
+        buffer += chunk
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import numpy as np
 import yaml
 
 from batchrl.engines import vllm_available
@@ -113,9 +114,19 @@ def test_run_over_s3_reads_prompts_from_and_writes_the_run_to_object_storage(
     fs, _ = resolve(f"s3://{s3_bucket}")
     for local in sorted(Path(toy_prompts_dir).glob("*.parquet")):
         fs.put_file(str(local), f"{s3_bucket}/prompts/{local.name}")
+    # Also the REINFORCE++ recipe with KL folded into the reward: the reference model scores the rollouts in
+    # the advantage stage's Ray actors (2 shards) and in the driver's first pass over the batch moments.
     path = pipeline_file(tmp_path, toy_model_dir=toy_model_dir, train_files=[f"s3://{s3_bucket}/prompts/"],
-                         root=f"s3://{s3_bucket}/runs")
+                         root=f"s3://{s3_bucket}/runs",
+                         advantage={"estimator": "reinforce_pp_baseline", "kl_in_reward_coef": 0.05})
     result = batchrl("run", str(path), env=s3_env)
     assert result.returncode == 0, result.stderr[-4000:]
-    check_run(f"s3://{s3_bucket}/runs/e2e")
+    run_dir = f"s3://{s3_bucket}/runs/e2e"
+    check_run(run_dir)
     assert not (tmp_path / "runs").exists()
+    for iteration in range(ITERATIONS):
+        metrics = read_json(f"{run_dir}/iter_{iteration:04d}/metrics.json")
+        assert metrics["actor/reward_kl_penalty_coeff"] == 0.05 and np.isfinite(metrics["actor/reward_kl_penalty"])
+        advantages = read_json(f"{run_dir}/iter_{iteration:04d}/advantages/_MANIFEST.json")
+        kl = read_parquet(f"{run_dir}/iter_{iteration:04d}/advantages/{advantages['parts'][0]['name']}")
+        assert kl.column("reward_kl").null_count == 0

@@ -138,3 +138,48 @@ def test_passk_needs_its_k_and_reinforce_pp_cannot_be_whitened_twice():
         AdvantageConfig(estimator="grpo_passk")
     with pytest.raises(ValueError, match="already whitens"):
         AdvantageConfig(estimator="reinforce_pp_baseline", whiten=True)
+
+
+def reference_logprobs_by_hand(model_dir: str, prompt: list[int], response: list[int]) -> np.ndarray:
+    """log p_ref(response token) from one unbatched forward (independent of the stage's micro-batching)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    targets = torch.tensor(prompt + response)[1:]
+    return logprobs[torch.arange(len(targets)), targets][len(prompt) - 1:].numpy()
+
+
+def test_kl_folded_into_the_reward_subtracts_coef_times_the_summed_kl_before_grpo(toy_model_dir):
+    scored, _ = worker().process(rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8", "#### 7"])]))
+    worker_kl = AdvantageWorker(config=AdvantageConfig(estimator="grpo", kl_in_reward_coef=0.1).model_dump(),
+                                moments=None, reference_path=toy_model_dir)
+    out, counts = worker_kl.process(scored)
+    out = conform(out, "advantages")
+    # by hand: k1 = behaviour (-0.5 per token) - reference, summed over each response [3] * (i + 1)
+    summed = np.array([(-0.5 - reference_logprobs_by_hand(toy_model_dir, [1, 2], [3] * (i + 1))).sum()
+                       for i in range(4)])
+    np.testing.assert_allclose(out.column("reward_kl").to_numpy(), summed, rtol=1e-5)
+    rewards = np.array([1.0, 0.0, 0.0, 1.0]) - 0.1 * summed
+    expected = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(out.column("advantage").to_numpy(), expected, rtol=1e-4)
+    assert out.column("score").to_pylist() == [1.0, 0.0, 0.0, 1.0]  # the score column stays the reward's
+    per_token_mean = summed / np.arange(1, 5)
+    assert counts["reward_kl_token_mean_sum"] == pytest.approx(per_token_mean.sum(), rel=1e-5)
+
+
+def test_kl_in_reward_is_zero_when_the_rollout_logprobs_are_the_references_own(toy_model_dir):
+    table = rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8"])])
+    scored, _ = worker().process(table)
+    own = [reference_logprobs_by_hand(toy_model_dir, [1, 2], [3] * (i + 1)).tolist() for i in range(3)]
+    scored = scored.set_column(scored.column_names.index("response_logprobs"), "response_logprobs",
+                               pa.array([own], scored.schema.field("response_logprobs").type))
+    config = AdvantageConfig(estimator="grpo", kl_in_reward_coef=5.0, kl_in_reward_estimator="k3").model_dump()
+    out, _ = AdvantageWorker(config=config, moments=None, reference_path=toy_model_dir).process(scored)
+    plain, _ = advantage_worker(estimator="grpo").process(scored)
+    np.testing.assert_allclose(out.column("reward_kl").to_numpy(), 0.0, atol=1e-5)
+    np.testing.assert_allclose(out.column("advantage").to_numpy(), plain.column("advantage").to_numpy(), atol=1e-4)
+    assert plain.column("reward_kl").null_count == 3  # off: null, not 0
