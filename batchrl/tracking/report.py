@@ -44,8 +44,8 @@ class Panel:
 PANELS = (
     Panel("reward", "Reward (critic/score; band: min..max)", ("critic/score/mean", "critic/rewards/"),
           ("critic/score/min", "critic/score/max")),
-    Panel("accuracy", "Validation accuracy (val-core)", ("val-core/",)),
-    Panel("kl", "KL", ("actor/ppo_kl", "actor/kl_loss")),
+    Panel("accuracy", "Held-out accuracy (val-core; iteration -1 = the initial policy)", ("val-core/",)),
+    Panel("kl", "KL", ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")),
     Panel("entropy", "Entropy", ("actor/entropy",)),
     Panel("response_length", "Response length (tokens; band: min..max)", ("response_length/mean",),
           ("response_length/min", "response_length/max")),
@@ -107,6 +107,10 @@ def panel_series(panel: Panel, metrics: list[dict]) -> dict[str, list[tuple[int,
     for name in names:
         points = [(int(m["iteration"]), float(m[name])) for m in metrics
                   if isinstance(m.get(name), (int, float)) and "iteration" in m]
+        # The evaluation of the initial policy rides on iteration 0's row as initial/<name>: drawn at -1.
+        initial = next((m.get(f"initial/{name}") for m in metrics if m.get("iteration") == 0), None)
+        if points and isinstance(initial, (int, float)):
+            points.insert(0, (-1, float(initial)))
         if points:
             series[name] = points
     return series

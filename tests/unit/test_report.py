@@ -76,3 +76,16 @@ def test_report_writes_where_it_is_told_and_refuses_a_directory_that_is_not_a_ru
     assert (out / "reward.png").exists() and not (run_dir / "report").exists()
     with pytest.raises(ValueError, match="not a batchrl run directory"):
         write_report(str(tmp_path / "elsewhere"))
+
+
+def test_the_accuracy_panel_starts_at_the_initial_policy_and_skips_iterations_not_evaluated():
+    from batchrl.tracking.report import PANELS, panel_series
+
+    metrics = [{"iteration": 0, "initial/val-core/arith/reward/mean@1": 0.1, "critic/score/mean": 0.2},
+               {"iteration": 1, "val-core/arith/reward/mean@1": 0.4},
+               {"iteration": 2, "critic/score/mean": 0.3},
+               {"iteration": 3, "val-core/arith/reward/mean@1": 0.6, "actor/reward_kl_penalty": 0.01}]
+    accuracy = next(p for p in PANELS if p.stem == "accuracy")
+    assert panel_series(accuracy, metrics) == {"val-core/arith/reward/mean@1": [(-1, 0.1), (1, 0.4), (3, 0.6)]}
+    kl = next(p for p in PANELS if p.stem == "kl")
+    assert panel_series(kl, metrics) == {"actor/reward_kl_penalty": [(3, 0.01)]}
