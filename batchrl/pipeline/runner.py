@@ -223,20 +223,28 @@ class Runner:
             with tracking_session(self.cfg.tracking, run_dir=self.layout.run_dir, run_id=self.cfg.run_id,
                                   config_dict=self.cfg.model_dump(mode="json")) as self.trackers, \
                     _ray_session(self.cfg, needed=any(s.status != "done" for s in self.plan.values())):
-                self._clear_forced()
-                prompts = self.stage("ingest")
-                if prompts is None:
-                    return self.summary  # an incremental run with no new input file: nothing to train on
-                self.preflight(prompts)
-                self.evaluate(None)  # the initial policy, on held-out prompts (when configured)
-                for iteration in range(self.cfg.run.iterations):
-                    self.stage("generate", iteration)
-                    self.stage("score", iteration)
-                    self.stage("advantage", iteration)
-                    self.stage("update", iteration)
-                    self.evaluate(iteration)
-                    self.record_iteration(iteration)
+                try:
+                    self._run_stages()
+                finally:
+                    from batchrl.trainer import shutdown_trainers
+
+                    shutdown_trainers()  # resident update ranks (update.trainer_lifetime: run) end with the run
         return self.summary
+
+    def _run_stages(self) -> None:
+        self._clear_forced()
+        prompts = self.stage("ingest")
+        if prompts is None:
+            return  # an incremental run with no new input file: nothing to train on
+        self.preflight(prompts)
+        self.evaluate(None)  # the initial policy, on held-out prompts (when configured)
+        for iteration in range(self.cfg.run.iterations):
+            self.stage("generate", iteration)
+            self.stage("score", iteration)
+            self.stage("advantage", iteration)
+            self.stage("update", iteration)
+            self.evaluate(iteration)
+            self.record_iteration(iteration)
 
     def evaluate(self, iteration: int | None) -> None:
         """The evaluate stage where it is planned (evaluate.every, before_training); its metrics go to the summary."""

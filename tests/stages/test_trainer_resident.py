@@ -129,3 +129,17 @@ def test_a_failing_resident_update_drops_the_ranks_and_the_next_starts_fresh(tin
     good = UpdateSpec(policy_in=str(tiny_policy), policy_out=str(tmp_path / "good" / "policy"),
                       advantages_files=advantages[0], metrics_path=str(tmp_path / "good" / "metrics.json"), **OPTIONS)
     assert run_update(good, timeout_s=TIMEOUT_S, resident=True)["actor/trainer_reused"] == 0.0
+
+
+def test_the_trainer_lifetime_is_not_part_of_the_update_fingerprint():
+    from batchrl.config.models import PipelineConfig
+    from batchrl.stages.update import UpdateStage
+
+    def config(**update) -> PipelineConfig:
+        return PipelineConfig(name="t", model={"path": "m"}, data={"train_files": ["x.parquet"]}, update=update)
+
+    def fingerprint(**update) -> dict:
+        return UpdateStage().fingerprint_config(config(**update))
+
+    assert config().update.trainer_lifetime == "run"
+    assert fingerprint(trainer_lifetime="run") == fingerprint(trainer_lifetime="stage") == fingerprint()
