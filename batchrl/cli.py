@@ -326,7 +326,28 @@ def report(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
 
 
 def main() -> None:
-    app()
+    """Runs the command, then leaves without interpreter finalisation.
+
+    Why: with pyarrow 26 and fsspec 2026.7, a process that read Parquet through a Python file object aborts
+    at exit in about half the runs ("terminate called without an active exception", SIGABRT): a native thread
+    pool is torn down during finalisation. Every output is written and flushed by then, so the exit code is
+    the command's. Seen with `batchrl inspect`; the trainer ranks exit the same way for a similar gloo issue.
+    """
+    try:
+        result = app(standalone_mode=False)  # a command's typer.Exit(code) comes back as its return value
+        code = result if isinstance(result, int) else 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except typer.Abort:
+        code = 1
+    except Exception as error:  # noqa: BLE001 - click's usage errors and the like: print as app() would
+        if not (hasattr(error, "show") and isinstance(getattr(error, "exit_code", None), int)):
+            raise
+        error.show()  # a (vendored) click.ClickException: a usage mistake, exit 2
+        code = error.exit_code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

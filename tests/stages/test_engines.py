@@ -126,7 +126,9 @@ def test_logprobs_are_finite_and_not_positive(engine, prompts):
 def test_greedy_sampling_ignores_the_seed(engine, prompts):
     sampling = SamplingSpec(temperature=0.0, max_new_tokens=12)
     first, second = engine.generate([prompts[0]], seeds=[[1, 999]], sampling=sampling)[0]
-    assert first == second
+    # Same tokens; log-probs equal up to CPU kernel rounding (two rows of one batch may take other SIMD paths).
+    assert (first.token_ids, first.finish_reason) == (second.token_ids, second.finish_reason)
+    np.testing.assert_allclose(first.logprobs, second.logprobs, rtol=0, atol=1e-5)
 
 
 def test_eos_ends_a_sample_with_stop_and_stays_in_its_tokens(engine, prompts):
