@@ -158,16 +158,9 @@ def run_sharded(
 
     parts, counts, jobs = pending_shards(input_dir=input_dir, input_manifest=input_manifest, output_dir=output_dir,
                                          summarize=summarize)
+    results: list[dict[str, Any]] = []
     if jobs and runs_in_driver(len(jobs), num_gpus=num_gpus):
-        worker = worker_cls(**worker_kwargs)
-        try:
-            out = worker({key: [job[key] for job in jobs] for key in jobs[0]})
-        finally:
-            worker.close()
-        for name, rows, digest, size, counts_json in zip(out["name"], out["rows"], out["sha256"], out["num_bytes"],
-                                                         out["counts_json"]):
-            parts[name] = PartInfo(name=name, rows=int(rows), sha256=digest, num_bytes=int(size))
-            add_counts(counts, json.loads(counts_json))
+        results = process_in_driver(worker_cls, worker_kwargs, jobs)
     elif jobs:
         dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))
         with warnings.catch_warnings():
@@ -183,17 +176,32 @@ def run_sharded(
                 max_restarts=ACTOR_MAX_RESTARTS,
                 max_task_retries=SHARD_MAX_RETRIES,
             )
-            results = []
             with progress(len(jobs), f"{description}: shards", enabled=progress_bars) as bar:
                 for row in mapped.iter_rows():
                     results.append(row)
                     bar.advance()
-        for row in results:
-            parts[row["name"]] = PartInfo(name=row["name"], rows=int(row["rows"]), sha256=row["sha256"],
-                                          num_bytes=int(row["num_bytes"]))
-            add_counts(counts, json.loads(row["counts_json"]))
+    for row in results:
+        parts[row["name"]] = part_info(row)
+        add_counts(counts, json.loads(row["counts_json"]))
     ordered = [parts[p.name] for p in input_manifest.parts]
     return ordered, counts
+
+
+def process_in_driver(worker_cls: type[ShardWorker], worker_kwargs: dict[str, Any],
+                      jobs: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Every job by one worker built in this process (then closed): one result row per job, as the actor pool
+    returns them (name, rows, sha256, num_bytes, counts_json)."""
+    worker = worker_cls(**worker_kwargs)
+    try:
+        out = worker({key: [job[key] for job in jobs] for key in jobs[0]})
+    finally:
+        worker.close()
+    return [dict(zip(out, values)) for values in zip(*out.values())]
+
+
+def part_info(row: dict[str, Any]) -> PartInfo:
+    """The PartInfo of a worker's result row."""
+    return PartInfo(name=str(row["name"]), rows=int(row["rows"]), sha256=row["sha256"], num_bytes=int(row["num_bytes"]))
 
 
 def add_counts(total: dict[str, float], more: dict[str, float]) -> None:

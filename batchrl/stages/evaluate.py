@@ -42,7 +42,7 @@ import pyarrow as pa
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.manifest import Manifest, PartInfo
 from batchrl.pipeline.schemas import load_schema
-from batchrl.pipeline.shards import run_sharded
+from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.rewards import reward_name_for
 from batchrl.storage import join, read_parquet, write_parquet_atomic
@@ -173,8 +173,7 @@ def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifes
                                                                             f"{mode}-{p.name}"),
                  "name": f"{mode}-{p.name}"} for p in prompts.parts]
         for row in pool.run(jobs, settings, progress_bars=False):
-            parts.append(PartInfo(name=row["name"], rows=int(row["rows"]), sha256=row["sha256"],
-                                  num_bytes=int(row["num_bytes"])))
+            parts.append(part_info(row))
     if cfg.generate.engine_lifetime == "stage":
         pool.shutdown()
     return _manifest(sorted(parts, key=lambda p: p.name), schema="rollouts")
@@ -214,15 +213,9 @@ def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manife
                                summarize=lambda table: {}, concurrency=rm.num_actors, num_cpus=rm.cpus_per_actor,
                                num_gpus=rm.gpus_per_actor, description="evaluate: score", progress_bars=False)
         return parts
-    worker = ScoreWorker(**ScoreStage.reward_kwargs(cfg))
-    try:
-        done = worker({"input_uri": [join(rollouts_dir, p.name) for p in rollouts.parts],
-                       "output_uri": [join(scores_dir, p.name) for p in rollouts.parts],
-                       "name": [p.name for p in rollouts.parts], "input_sha256": [p.sha256 for p in rollouts.parts]})
-    finally:
-        worker.close()
-    return [PartInfo(name=name, rows=int(rows), sha256=digest, num_bytes=int(size))
-            for name, rows, digest, size in zip(done["name"], done["rows"], done["sha256"], done["num_bytes"])]
+    jobs = [{"input_uri": join(rollouts_dir, p.name), "output_uri": join(scores_dir, p.name), "name": p.name,
+             "input_sha256": p.sha256} for p in rollouts.parts]
+    return [part_info(row) for row in process_in_driver(ScoreWorker, ScoreStage.reward_kwargs(cfg), jobs)]
 
 
 def _scored(scores_dir: str, mode: str, part_name: str, cfg: PipelineConfig) -> pa.Table | None:

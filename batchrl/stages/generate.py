@@ -27,8 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchrl.config import PipelineConfig
-from batchrl.pipeline.manifest import PartInfo
-from batchrl.pipeline.shards import ShardWorker, add_counts, pending_shards
+from batchrl.pipeline.shards import ShardWorker, add_counts, part_info, pending_shards
 from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.storage import local_copy
 
@@ -217,8 +216,7 @@ class GenerateStage:
                 iteration=ctx.iteration, sampling={"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
                                                    "max_new_tokens": g.max_new_tokens, "stop": tuple(g.stop)})
             for row in pool.run(jobs, settings, progress_bars=ctx.cfg.tracking.progress_bars):
-                parts[row["name"]] = PartInfo(name=row["name"], rows=int(row["rows"]), sha256=row["sha256"],
-                                              num_bytes=int(row["num_bytes"]))
+                parts[row["name"]] = part_info(row)
                 add_counts(counts, json.loads(row["counts_json"]))
                 timings.append(json.loads(row["timings_json"]))
             if g.engine_lifetime == "stage":

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from batchrl.trainer.progress_file import ProgressReader
-from batchrl.trainer.spec import UpdateSpec
+from batchrl.trainer.spec import UpdateSpec, resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def run_update(
         raise ValueError(f"timeout_s={timeout_s} must be > 0 (or None for no limit)")
     _check_gpu_only_options(spec)
     Path(spec.metrics_path).unlink(missing_ok=True)  # never return a previous run's metrics
-    if resident and _resolved_backend(spec) == "gloo":
+    if resident and resolve_backend(spec.backend) == "gloo":
         with _POOL_LOCK:
             return _run_on_pool(spec, timeout_s=timeout_s, on_progress=on_progress)
     if resident:
@@ -224,14 +224,6 @@ def _with_progress(
 def _read_metrics(spec: UpdateSpec) -> dict[str, float]:
     with open(spec.metrics_path, encoding="utf-8") as f:
         return {name: float(value) for name, value in json.load(f).items()}
-
-
-def _resolved_backend(spec: UpdateSpec) -> str:
-    if spec.backend != "auto":
-        return spec.backend
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _check_gpu_only_options(spec: UpdateSpec) -> None:

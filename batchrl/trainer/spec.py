@@ -135,3 +135,12 @@ class UpdateSpec:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"UpdateSpec.{name}={value!r} must be one of {list(choices)}")
+
+
+def resolve_backend(backend: str) -> str:
+    """The process-group backend "auto" stands for here: nccl when CUDA is available, else gloo."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -85,7 +85,7 @@ from batchrl.trainer.data import (
 )
 from batchrl.trainer.progress_file import ProgressWriter
 from batchrl.trainer.schedule import lr_at_step, resolve_warmup_steps
-from batchrl.trainer.spec import UpdateSpec
+from batchrl.trainer.spec import UpdateSpec, resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +105,7 @@ class Dist:
 
 def init_distributed(spec: UpdateSpec) -> Dist:
     """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (set by the launcher)."""
-    backend = spec.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_backend(spec.backend)
     if spec.cpu_offload and backend != "nccl":
         raise ValueError("cpu_offload=True needs GPUs (the nccl backend); on CPU the parameters already live in "
                          "host memory. Set update.cpu_offload=false")
