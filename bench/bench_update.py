@@ -25,7 +25,7 @@ import torch
 from batchrl.toy import build_toy_model
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.batching import padding_ratio, plan_micro_batches
-from batchrl.trainer.data import collate, read_advantages, samples_from_table
+from batchrl.trainer.data import read_advantages, samples_from_table
 
 
 def realistic_lengths(rng: np.random.Generator, num_samples: int, *, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -47,6 +47,19 @@ def write_batch(path: Path, *, vocab_size: int, num_prompts: int, samples_per_pr
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+def bare_batch(samples, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask, labels, advantage x response mask) of right-padded samples: the textbook way."""
+    length = max(len(samples.prompt_token_ids[i]) + len(samples.response_token_ids[i]) for i in indices)
+    input_ids, attention = torch.zeros((len(indices), length), dtype=torch.long), torch.zeros((len(indices), length))
+    weights = torch.zeros((len(indices), length))
+    for row, i in enumerate(indices):
+        prompt, response = samples.prompt_token_ids[i], samples.response_token_ids[i]
+        input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        attention[row, : len(prompt) + len(response)] = 1
+        weights[row, len(prompt) : len(prompt) + len(response)] = float(samples.advantages_N[i])
+    return input_ids, attention.long(), input_ids[:, 1:], weights[:, 1:]
+
+
 def bare_loop(policy_dir: str, advantages: str, *, steps: int, max_tokens: int, lr: float) -> tuple[float, int]:
     """(fastest step's seconds, real tokens per step) of `steps` plain AdamW steps over the same micro-batches."""
     from transformers import AutoModelForCausalLM
@@ -55,24 +68,24 @@ def bare_loop(policy_dir: str, advantages: str, *, steps: int, max_tokens: int, 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     samples = samples_from_table(read_advantages([advantages]))
     plan = plan_micro_batches(samples.lengths_N, world_size=1, max_tokens=max_tokens)[0]
-    batches = [collate(samples, chunk, pad_token_id=0, device=torch.device("cpu")) for chunk in plan]
+    batches = [bare_batch(samples, chunk) for chunk in plan]
     num_tokens = int(samples.loss_tokens_N.sum())
     with torch.no_grad():
-        for mb in batches:  # warm-up, like the trainer's old-log-prob pass
-            model(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask_BL)
+        for input_ids, attention, _, _ in batches:  # warm-up, like the trainer's old-log-prob pass
+            model(input_ids=input_ids, attention_mask=attention)
     step_times = []
     for _ in range(steps):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        for mb in batches:
-            logits = model(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask_BL).logits[:, :-1]
-            logprobs = torch.log_softmax(logits.float(), -1).gather(-1, mb.labels_BT.unsqueeze(-1)).squeeze(-1)
-            loss = -(logprobs * mb.advantages_BT * mb.response_mask_BT).sum() / num_tokens
+        for input_ids, attention, labels, weights in batches:
+            logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1]
+            logprobs = torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            loss = -(logprobs * weights).sum() / num_tokens
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step_times.append(time.perf_counter() - started)
-    return min(step_times), sum(int(mb.attention_mask_BL.sum()) for mb in batches)
+    return min(step_times), sum(int(attention.sum()) for _, attention, _, _ in batches)
 
 
 def main() -> None:

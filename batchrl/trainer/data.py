@@ -1,17 +1,20 @@
-"""The advantages table as the trainer sees it: validated columns, and right-padded micro-batch tensors.
+"""The advantages table as the trainer sees it: validated columns, and micro-batch tensors.
 
 Why columns plus flat per-token arrays: the update needs, per sample, values for every response token
 (engine log-probs, recomputed old log-probs, reference log-probs). Those live in flat float32 arrays indexed
 by `response_offsets_N1` (sample i's response tokens are flat[offsets[i]:offsets[i+1]]), so one pass can
 fill them for any subset of samples and one all-reduce can share them between ranks.
 
-Alignment: position t of the shifted [B, T = L - 1] tensors predicts token t + 1. A response token at
-position 0 (an empty prompt) has no predictor: it is outside the loss mask and its per-token values are 0.
+Micro-batch layout (`MicroBatch`): the model input is right-padded rows, one per sample, or one per "pack" of
+samples that share a prompt (prompt once, then their responses: see `collate_packs`); everything the loss
+needs is gathered into [samples, response tokens] tensors, so the loss code is the same for both. A response
+token with no predictor (the first one after an empty prompt) is outside the loss mask and its values are 0.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -54,6 +57,20 @@ class Samples:
     def lengths_N(self) -> np.ndarray:
         """Prompt + response tokens per sample (the padded length it needs)."""
         return np.array([len(p) + len(r) for p, r in zip(self.prompt_token_ids, self.response_token_ids)])
+
+    @cached_property
+    def prompt_lengths_N(self) -> np.ndarray:
+        return np.array([len(p) for p in self.prompt_token_ids], dtype=np.int64)
+
+    @cached_property
+    def response_lengths_N(self) -> np.ndarray:
+        return np.array([len(r) for r in self.response_token_ids], dtype=np.int64)
+
+    @cached_property
+    def prompt_key_N(self) -> np.ndarray:
+        """Equal numbers for samples whose prompt token ids are equal (what may share a row)."""
+        keys: dict[tuple[int, ...], int] = {}
+        return np.array([keys.setdefault(tuple(p), len(keys)) for p in self.prompt_token_ids], dtype=np.int64)
 
     @cached_property
     def loss_tokens_N(self) -> np.ndarray:
@@ -135,66 +152,152 @@ def samples_from_table(table: pa.Table) -> Samples:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Tensors of one forward/backward. L = padded sequence length, T = L - 1 (next-token positions)."""
+    """Tensors of one forward/backward.
 
-    indices: tuple[int, ...]  # sample indices, in row order; empty for a padding micro-batch
-    input_ids_BL: torch.Tensor  # [batch, seq_len] prompt + response, right-padded
-    attention_mask_BL: torch.Tensor  # [batch, seq_len] 1 on real tokens
-    labels_BT: torch.Tensor  # [batch, seq_len - 1] the token each position predicts
-    response_mask_BT: torch.Tensor  # [batch, seq_len - 1] True where the predicted token is a response token
-    advantages_BT: torch.Tensor  # [batch, seq_len - 1] the sample's advantage on its response tokens
-    token_values_BT: dict[str, torch.Tensor]  # per-token arrays (old/ref/rollout log-probs) in the same layout
+    The model input has B rows of length L. A row holds one sample (prompt + response, right-padded), or, with
+    shared prompts (`collate_packs`), one prompt followed by several of its responses (a "pack"), each response
+    attending to the prompt and to itself only (a [B, 1, L, L] mask) at the positions it would have alone.
+    Per-sample tensors are [S, R]: S = samples in `indices` order, R = the longest response; column j is the
+    sample's response token j, predicted by the logits at (logit_rows_S[s], logit_positions_SR[s, j]).
+    """
+
+    indices: tuple[int, ...]  # sample indices, in [S, R] row order; empty for a padding micro-batch
+    input_ids_BL: torch.Tensor  # [B, L] token ids, right-padded
+    attention_mask: torch.Tensor  # [B, L] 1 on real tokens, or [B, 1, L, L] True where a query may attend a key
+    position_ids_BL: torch.Tensor | None  # [B, L] for packed rows; None: 0..L-1 (the model's default)
+    real_tokens: int  # non-padding tokens in input_ids_BL
+    logit_rows_S: torch.Tensor  # [S] the input row of each sample
+    logit_positions_SR: torch.Tensor  # [S, R] the position whose logits predict response token j (0 if masked)
+    labels_SR: torch.Tensor  # [S, R] the response tokens (the pad id where masked)
+    response_mask_SR: torch.Tensor  # [S, R] True on response tokens that have a predictor
+    advantages_SR: torch.Tensor  # [S, R] the sample's advantage on its response tokens
+    token_values_SR: dict[str, torch.Tensor]  # per-token arrays (old/ref/rollout log-probs) in the same layout
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids_BL.numel() if self.indices else 0
 
 
 def collate(
     samples: Samples,
-    indices: list[int],
+    indices: Sequence[int],
     *,
     pad_token_id: int,
     device: torch.device,
     token_values: dict[str, np.ndarray] | None = None,
 ) -> MicroBatch:
-    """Right-pad samples[indices]; `token_values` (flat per-token arrays) are laid out like the labels.
+    """One row per sample: prompt + response, right-padded; `token_values` (flat per-token arrays) are laid out
+    like the labels. An empty index list gives a one-row, fully masked batch (a padding micro-batch: FSDP still
+    needs the forward/backward collectives)."""
+    return collate_packs(samples, [[i] for i in indices], pad_token_id=pad_token_id, device=device,
+                         token_values=token_values)
 
-    An empty index list gives a one-row, fully masked batch (a padding micro-batch: FSDP still needs the
-    forward/backward collectives).
+
+def collate_packs(
+    samples: Samples,
+    packs: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+    device: torch.device,
+    token_values: dict[str, np.ndarray] | None = None,
+) -> MicroBatch:
+    """One row per pack: the prompt of its samples (which must share it, see `batching.prompt_packs`), then each
+    sample's response. A micro-batch of one-sample packs gets the plain [B, L] padding mask (the model's causal
+    kernels); any larger pack makes it a [B, 1, L, L] mask in which response k sees the prompt and itself.
+
+    Response token j of a sample whose response starts at column o is predicted by position o + j - 1, except
+    token 0 of a packed response: its predictor is the prompt's last token, shared by the pack. The positions
+    (RoPE) of a packed response continue from the prompt as if it were alone, so its log-probs are the unpacked
+    ones up to float rounding. A sample with an empty prompt has no predictor for its first token: masked.
     """
     token_values = token_values or {}
-    lengths = [len(samples.prompt_token_ids[i]) + len(samples.response_token_ids[i]) for i in indices]
-    rows, seq_len = max(1, len(indices)), max([2] + lengths)
+    indices = [i for pack in packs for i in pack]
+    rows = max(1, len(packs))
+    lengths = [len(samples.prompt_token_ids[pack[0]]) + sum(len(samples.response_token_ids[i]) for i in pack)
+               for pack in packs]
+    seq_len = max([2] + lengths)
+    num_samples, max_response = max(1, len(indices)), max([1] + [len(samples.response_token_ids[i]) for i in indices])
+    packed = any(len(pack) > 1 for pack in packs)
     input_ids_BL = torch.full((rows, seq_len), pad_token_id, dtype=torch.long)
-    attention_mask_BL = torch.zeros((rows, seq_len), dtype=torch.long)
-    is_response_BL = torch.zeros((rows, seq_len), dtype=torch.bool)
-    advantages_BL = torch.zeros((rows, seq_len), dtype=torch.float32)
-    values_BL = {name: torch.zeros((rows, seq_len), dtype=torch.float32) for name in token_values}
-    for row, i in enumerate(indices):
-        prompt, response = samples.prompt_token_ids[i], samples.response_token_ids[i]
-        start, end = len(prompt), len(prompt) + len(response)
-        input_ids_BL[row, :end] = torch.tensor(prompt + response, dtype=torch.long)
-        attention_mask_BL[row, :end] = 1
-        is_response_BL[row, start:end] = True
-        advantages_BL[row, start:end] = float(samples.advantages_N[i])
-        offset = int(samples.response_offsets_N1[i])
-        for name, flat in token_values.items():
-            values_BL[name][row, start:end] = torch.from_numpy(flat[offset : offset + len(response)])
+    segment_BL = torch.full((rows, seq_len), -1, dtype=torch.long)  # -1 padding, 0 prompt, k + 1 response k
+    position_ids_BL = torch.zeros((rows, seq_len), dtype=torch.long)
+    logit_rows_S = torch.zeros(num_samples, dtype=torch.long)
+    logit_positions_SR = torch.zeros((num_samples, max_response), dtype=torch.long)
+    labels_SR = torch.full((num_samples, max_response), pad_token_id, dtype=torch.long)
+    response_mask_SR = torch.zeros((num_samples, max_response), dtype=torch.bool)
+    advantages_SR = torch.zeros((num_samples, max_response), dtype=torch.float32)
+    values_SR = {name: torch.zeros((num_samples, max_response), dtype=torch.float32) for name in token_values}
+    s = 0
+    for row, pack in enumerate(packs):
+        prompt = samples.prompt_token_ids[pack[0]]
+        num_prompt = len(prompt)
+        input_ids_BL[row, :num_prompt] = torch.tensor(prompt, dtype=torch.long)
+        segment_BL[row, :num_prompt] = 0
+        position_ids_BL[row, :num_prompt] = torch.arange(num_prompt)
+        start = num_prompt
+        for k, i in enumerate(pack):
+            response = samples.response_token_ids[i]
+            num_response = len(response)
+            end = start + num_response
+            input_ids_BL[row, start:end] = torch.tensor(response, dtype=torch.long)
+            segment_BL[row, start:end] = k + 1
+            position_ids_BL[row, start:end] = torch.arange(num_prompt, num_prompt + num_response)
+            logit_rows_S[s] = row
+            predictors = torch.arange(start - 1, end - 1)
+            if num_response:
+                predictors[0] = num_prompt - 1
+            logit_positions_SR[s, :num_response] = predictors.clamp(min=0)
+            labels_SR[s, :num_response] = torch.tensor(response, dtype=torch.long)
+            response_mask_SR[s, :num_response] = predictors >= 0
+            advantages_SR[s, :num_response] = float(samples.advantages_N[i])
+            offset = int(samples.response_offsets_N1[i])
+            for name, flat in token_values.items():
+                values_SR[name][s, :num_response] = torch.from_numpy(flat[offset : offset + num_response])
+            start, s = end, s + 1
+    advantages_SR.masked_fill_(~response_mask_SR, 0.0)
+    for values in values_SR.values():
+        values.masked_fill_(~response_mask_SR, 0.0)
+    real_BL = segment_BL >= 0
+    if packed:
+        # query q may attend key k <= q of the prompt or of its own segment; padding queries see the prompt and
+        # the padding before them, so no row of the mask is empty (an empty row would be NaN in softmax)
+        seg_q, seg_k = segment_BL[:, :, None], segment_BL[:, None, :]
+        causal_LL = torch.ones((seq_len, seq_len), dtype=torch.bool).tril()
+        attention_mask = (causal_LL & ((seg_k == 0) | (seg_k == seg_q)))[:, None]
+        position_ids = position_ids_BL.to(device)
+    else:
+        attention_mask, position_ids = real_BL.long(), None
     return MicroBatch(
         indices=tuple(indices),
         input_ids_BL=input_ids_BL.to(device),
-        attention_mask_BL=attention_mask_BL.to(device),
-        labels_BT=input_ids_BL[:, 1:].to(device),
-        response_mask_BT=is_response_BL[:, 1:].to(device),
-        advantages_BT=advantages_BL[:, 1:].to(device),
-        token_values_BT={name: values[:, 1:].to(device) for name, values in values_BL.items()},
+        attention_mask=attention_mask.to(device),
+        position_ids_BL=position_ids,
+        real_tokens=int(real_BL.sum()),
+        logit_rows_S=logit_rows_S.to(device),
+        logit_positions_SR=logit_positions_SR.to(device),
+        labels_SR=labels_SR.to(device),
+        response_mask_SR=response_mask_SR.to(device),
+        advantages_SR=advantages_SR.to(device),
+        token_values_SR={name: values.to(device) for name, values in values_SR.items()},
     )
 
 
+def response_logits(logits_BLV: torch.Tensor, mb: MicroBatch, *, first_position: int = 0) -> torch.Tensor:
+    """[S, R, V] the logits predicting each response token; `logits_BLV` may start at `first_position` (the
+    model was asked for the logits from there on only, see `first_logit_position`)."""
+    positions_SR = (mb.logit_positions_SR - first_position).clamp(min=0)  # masked tokens: any valid position
+    return logits_BLV[mb.logit_rows_S[:, None], positions_SR]
+
+
+def first_logit_position(mb: MicroBatch) -> int:
+    """The first input position whose logits any response token needs: positions before it need no lm_head."""
+    return int(mb.logit_positions_SR[mb.response_mask_SR].min()) if bool(mb.response_mask_SR.any()) else 0
+
+
 def scatter_response_values(
-    values_BT: torch.Tensor, mb: MicroBatch, samples: Samples, *, out_flat: torch.Tensor
+    values_SR: torch.Tensor, mb: MicroBatch, samples: Samples, *, out_flat: torch.Tensor
 ) -> None:
-    """Write each sample's per-response-token values from [B, T] into the flat array (inverse of collate)."""
-    values_BL = torch.nn.functional.pad(values_BT, (1, 0))  # position t of BT is token t + 1 of BL
-    for row, i in enumerate(mb.indices):
-        start = len(samples.prompt_token_ids[i])
-        num_response = len(samples.response_token_ids[i])
-        offset = int(samples.response_offsets_N1[i])
-        out_flat[offset : offset + num_response] = values_BL[row, start : start + num_response]
+    """Write each sample's per-response-token values from [S, R] into the flat array (inverse of collate)."""
+    for s, i in enumerate(mb.indices):
+        offset, num_response = int(samples.response_offsets_N1[i]), len(samples.response_token_ids[i])
+        out_flat[offset : offset + num_response] = values_SR[s, :num_response]

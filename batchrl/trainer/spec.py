@@ -75,6 +75,7 @@ class UpdateSpec:
     num_iterations: int = 1  # iterations the lr schedule spans (run.iterations)
     cpu_offload: bool = False
     gradient_checkpointing: bool = False
+    share_prompt: bool = False  # one row per prompt and several of its responses (needs max_tokens_per_micro_batch)
     trainer_state_in: str | None = None  # local dir written by a previous update's trainer_state_out
     trainer_state_out: str | None = None  # local dir for the optimizer state and step count (None: not saved)
     logprobs_out: str | None = None  # local Parquet file for the per-sample old/reference log-probs
@@ -115,6 +116,9 @@ class UpdateSpec:
             raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs loss_agg_norm_length (e.g. the response cap)")
         if self.lr_warmup_steps > 0 and self.lr_warmup_ratio > 0:
             raise ValueError("set one of UpdateSpec.lr_warmup_steps and lr_warmup_ratio, not both")
+        if self.share_prompt and self.max_tokens_per_micro_batch is None:
+            raise ValueError("UpdateSpec.share_prompt=True needs max_tokens_per_micro_batch: a pack of responses "
+                             "is sized in tokens, not samples")
         if self.lr_warmup_ratio > 1 or self.min_lr_ratio > 1:
             raise ValueError("UpdateSpec.lr_warmup_ratio and min_lr_ratio must be <= 1")
 

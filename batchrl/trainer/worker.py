@@ -42,12 +42,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import inspect
 import logging
 import math
 import os
 import select
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +67,7 @@ from batchrl.algorithms.losses import (
     token_logprobs,
     truncated_is_weights,
 )
-from batchrl.trainer.batching import mini_batches, plan_micro_batches
+from batchrl.trainer.batching import mini_batches, plan_micro_batches, prompt_packs
 from batchrl.trainer.checkpoint import (
     load_trainer_state,
     save_policy,
@@ -78,8 +80,10 @@ from batchrl.trainer.data import (
     Samples,
     check_advantages,
     check_token_ids,
-    collate,
+    collate_packs,
+    first_logit_position,
     read_advantages,
+    response_logits,
     samples_from_table,
     scatter_response_values,
 )
@@ -189,15 +193,51 @@ def micro_batch_budget(spec: UpdateSpec) -> dict[str, int | None]:
     return {"max_samples": spec.micro_batch_size}
 
 
+def micro_batch_plan(
+    samples: Samples, indices: Sequence[int], *, spec: UpdateSpec, world_size: int
+) -> list[list[list[list[int]]]]:
+    """plan[rank][k] = the packs (sample indices sharing a row, see `data.collate_packs`) of rank's k-th
+    micro-batch of the samples `indices`. Without spec.share_prompt every pack is one sample."""
+    if spec.share_prompt:
+        packs = prompt_packs(indices, prompt_key_N=samples.prompt_key_N, prompt_lengths_N=samples.prompt_lengths_N,
+                             response_lengths_N=samples.response_lengths_N, max_tokens=spec.max_tokens_per_micro_batch)
+    else:
+        packs = [[int(i)] for i in indices]
+    lengths = [int(samples.prompt_lengths_N[pack[0]] + samples.response_lengths_N[pack].sum()) for pack in packs]
+    plan = plan_micro_batches(lengths, world_size=world_size, **micro_batch_budget(spec))
+    return [[[packs[j] for j in chunk] for chunk in micro_batches] for micro_batches in plan]
+
+
 def policy_logprobs(
     model: torch.nn.Module, mb: MicroBatch, *, entropy_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(label), entropy), both [batch, seq_len - 1] float32; entropy carries grad only if asked."""
-    logits_BLV = model(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask_BL, use_cache=False).logits
-    logits_BTV = logits_BLV[:, :-1]
-    logprobs_BT = token_logprobs(logits_BTV, mb.labels_BT)
-    entropy_BT = entropy_from_logits(logits_BTV if entropy_grad else logits_BTV.detach())
-    return logprobs_BT, entropy_BT
+    """(log p(response token), entropy), both [samples, response tokens] float32; entropy has grad only if asked.
+
+    The lm_head runs only from the first position a response token needs (`logits_to_keep`, when the model
+    takes it): prompt positions before it would be [rows, prompt, vocab] logits computed for nothing.
+    """
+    inputs = dict(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask, use_cache=False)
+    if mb.position_ids_BL is not None:
+        inputs["position_ids"] = mb.position_ids_BL
+    first = first_logit_position(mb) if _takes_logits_to_keep(model) else 0
+    if first > 0:
+        inputs["logits_to_keep"] = mb.input_ids_BL.shape[1] - first
+    logits_SRV = response_logits(model(**inputs).logits, mb, first_position=first)
+    logprobs_SR = token_logprobs(logits_SRV, mb.labels_SR)
+    entropy_SR = entropy_from_logits(logits_SRV if entropy_grad else logits_SRV.detach())
+    return logprobs_SR, entropy_SR
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def check_attention(model: torch.nn.Module, spec: UpdateSpec) -> None:
+    """Shared-prompt rows need a custom [B, 1, L, L] mask, which flash-attention kernels do not take."""
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    if spec.share_prompt and implementation not in ("sdpa", "eager"):
+        raise ValueError(f"update.share_prompt needs the sdpa or eager attention; this model uses {implementation!r}. "
+                         "Set update.share_prompt: false")
 
 
 @torch.no_grad()
@@ -212,9 +252,9 @@ def logprob_pass(
     """
     names = list(models)
     buffer = torch.zeros((len(names), int(samples.response_offsets_N1[-1])), dtype=torch.float32, device=ctx.device)
-    plan = plan_micro_batches(samples.lengths_N, world_size=ctx.world_size, **micro_batch_budget(spec))
-    for indices in plan[ctx.rank]:
-        mb = collate(samples, indices, pad_token_id=pad_token_id, device=ctx.device)
+    plan = micro_batch_plan(samples, range(samples.num_samples), spec=spec, world_size=ctx.world_size)
+    for packs in plan[ctx.rank]:
+        mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=ctx.device)
         by_model: dict[int, torch.Tensor] = {}
         for row, name in enumerate(names):
             model = models[name]
@@ -271,19 +311,19 @@ def same_checkpoint(a: str | None, b: str | None) -> bool:
 
 
 def pg_token_losses(
-    logprobs_BT: torch.Tensor, mb: MicroBatch, *, spec: UpdateSpec
+    logprobs_SR: torch.Tensor, mb: MicroBatch, *, spec: UpdateSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pg_losses_BT, is_clipped_BT) of the configured policy loss, truncated-IS weighted when asked."""
-    old_logprobs_BT, mask_BT = mb.token_values_BT["old"], mb.response_mask_BT
+    """(pg_losses_SR, is_clipped_SR) of the configured policy loss, truncated-IS weighted when asked."""
+    old_logprobs_SR, mask_SR = mb.token_values_SR["old"], mb.response_mask_SR
     clip = dict(clip_ratio_low=spec.clip_ratio_low, clip_ratio_high=spec.clip_ratio_high)
     if spec.policy_loss == "gspo":
-        pg_losses_BT, is_clipped_BT, _ = gspo_token_losses(logprobs_BT, old_logprobs_BT, mb.advantages_BT, mask_BT,
+        pg_losses_SR, is_clipped_SR, _ = gspo_token_losses(logprobs_SR, old_logprobs_SR, mb.advantages_SR, mask_SR,
                                                            **clip)
     else:
-        pg_losses_BT, is_clipped_BT, _ = ppo_clip_token_losses(
-            logprobs_BT, old_logprobs_BT, mb.advantages_BT, dual_clip_ratio=spec.dual_clip_ratio, **clip
+        pg_losses_SR, is_clipped_SR, _ = ppo_clip_token_losses(
+            logprobs_SR, old_logprobs_SR, mb.advantages_SR, dual_clip_ratio=spec.dual_clip_ratio, **clip
         )
-    return pg_losses_BT, is_clipped_BT
+    return pg_losses_SR, is_clipped_SR
 
 
 def micro_batch_backward(
@@ -292,37 +332,35 @@ def micro_batch_backward(
     """Forward + backward of one micro-batch's share of the mini-batch loss; returns its SUM_NAMES sums."""
     agg = dict(mode=spec.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=max(num_seqs, 1),
                norm_length=spec.loss_agg_norm_length)
-    mask_BT = mb.response_mask_BT
-    logprobs_BT, entropy_BT = policy_logprobs(model, mb, entropy_grad=spec.entropy_coeff > 0)
-    pg_losses_BT, is_clipped_BT = pg_token_losses(logprobs_BT, mb, spec=spec)
-    is_weights_BT = mask_BT.float()
+    mask_SR = mb.response_mask_SR
+    logprobs_SR, entropy_SR = policy_logprobs(model, mb, entropy_grad=spec.entropy_coeff > 0)
+    pg_losses_SR, is_clipped_SR = pg_token_losses(logprobs_SR, mb, spec=spec)
+    is_weights_SR = mask_SR.float()
     if spec.rollout_is_cap is not None:
-        is_weights_BT = truncated_is_weights(mb.token_values_BT["old"], mb.token_values_BT["rollout"], mask_BT,
+        is_weights_SR = truncated_is_weights(mb.token_values_SR["old"], mb.token_values_SR["rollout"], mask_SR,
                                              cap=spec.rollout_is_cap)
-        pg_losses_BT = pg_losses_BT * is_weights_BT
-    pg_loss = aggregate_token_losses(pg_losses_BT, mask_BT, **agg)
+        pg_losses_SR = pg_losses_SR * is_weights_SR
+    pg_loss = aggregate_token_losses(pg_losses_SR, mask_SR, **agg)
     loss = pg_loss
     if spec.entropy_coeff > 0:
-        loss = loss - spec.entropy_coeff * aggregate_token_losses(entropy_BT, mask_BT, **agg)
+        loss = loss - spec.entropy_coeff * aggregate_token_losses(entropy_SR, mask_SR, **agg)
     kl_loss = torch.zeros((), device=pg_loss.device)
     if spec.kl_loss_coef > 0:
-        kl_BT = kl_penalty(logprobs_BT, mb.token_values_BT["ref"], estimator=spec.kl_estimator)
-        kl_loss = aggregate_token_losses(kl_BT, mask_BT, **agg)
+        kl_SR = kl_penalty(logprobs_SR, mb.token_values_SR["ref"], estimator=spec.kl_estimator)
+        kl_loss = aggregate_token_losses(kl_SR, mask_SR, **agg)
         loss = loss + spec.kl_loss_coef * kl_loss
     loss.backward()
-    ppo_kl_sum = approx_kl(logprobs_BT.detach(), mb.token_values_BT["old"], mask_BT) * mask_BT.sum()
-    real_tokens = mb.attention_mask_BL.sum() if mb.indices else torch.zeros((), device=pg_loss.device)
-    padded = mb.input_ids_BL.numel() if mb.indices else 0
+    ppo_kl_sum = approx_kl(logprobs_SR.detach(), mb.token_values_SR["old"], mask_SR) * mask_SR.sum()
     return torch.stack([
         loss.detach().double(),
         pg_loss.detach().double(),
         kl_loss.detach().double(),
-        (is_clipped_BT & mask_BT).sum().double(),
+        (is_clipped_SR & mask_SR).sum().double(),
         ppo_kl_sum.double(),
-        entropy_BT.detach().masked_fill(~mask_BT, 0).sum().double(),
-        is_weights_BT.masked_fill(~mask_BT, 0).sum().double(),
-        torch.tensor(float(padded), dtype=torch.float64, device=pg_loss.device),
-        real_tokens.double(),
+        entropy_SR.detach().masked_fill(~mask_SR, 0).sum().double(),
+        is_weights_SR.masked_fill(~mask_SR, 0).sum().double(),
+        torch.tensor(float(mb.padded_tokens), dtype=torch.float64, device=pg_loss.device),
+        torch.tensor(float(mb.real_tokens if mb.indices else 0), dtype=torch.float64, device=pg_loss.device),
     ])
 
 
@@ -344,14 +382,13 @@ def optimizer_step(
     if num_tokens == 0:
         logger.warning("a mini-batch of %d samples has no response tokens; no optimizer step for it", len(indices))
         return None
-    plan = plan_micro_batches(samples.lengths_N[indices], world_size=ctx.world_size, **micro_batch_budget(spec))
+    plan = micro_batch_plan(samples, indices, spec=spec, world_size=ctx.world_size)
     optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(len(SUM_NAMES), dtype=torch.float64, device=ctx.device)
-    for k, chunk in enumerate(plan[ctx.rank]):
+    for k, packs in enumerate(plan[ctx.rank]):
         if ctx.world_size == 1 and not spec.cpu_offload:  # one rank: sharded = unsharded, skip per-micro-batch copies
             model.set_requires_gradient_sync(k == len(plan[ctx.rank]) - 1)
-        mb = collate(samples, [int(indices[j]) for j in chunk], pad_token_id=pad_token_id, device=ctx.device,
-                     token_values=token_values)
+        mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=ctx.device, token_values=token_values)
         sums += micro_batch_backward(model, mb, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     total = dict(zip(SUM_NAMES, sums.tolist()))
@@ -583,6 +620,7 @@ def update(
         model, optimizer, tokenizer, start_step = build_trainer(spec, ctx=ctx)
     kept = None
     check_token_ids(table, vocab_size=model.get_input_embeddings().num_embeddings)
+    check_attention(model, spec)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     load_time = time.perf_counter() - start
 

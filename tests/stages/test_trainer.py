@@ -138,6 +138,8 @@ CONFIGS = {
         gradient_checkpointing=True,
     ),
 }
+# "full" with each prompt computed once per row for several of its samples (update.share_prompt)
+CONFIGS["full-shared"] = CONFIGS["full"] | {"share_prompt": True}
 _RUNS: dict[tuple, tuple[dict, Path]] = {}
 
 
@@ -153,7 +155,7 @@ def update(workdir, tiny_policy, perturbed_policy, advantages_files):
             if options.get("kl_loss_coef"):
                 options["reference_policy"] = str(tiny_policy)
             spec = UpdateSpec(
-                policy_in=str(perturbed_policy if config == "full" else tiny_policy),
+                policy_in=str(perturbed_policy if config.startswith("full") else tiny_policy),
                 policy_out=str(workdir / name / "policy"),
                 advantages_files=advantages_files,
                 metrics_path=str(workdir / name / "metrics.json"),
@@ -220,6 +222,20 @@ def test_two_gloo_processes_train_the_same_weights_as_one(update, config):
         names += ["actor/kl_loss", "actor/rollout_is_weight_mean"]
     for name in names:
         assert metrics_2[name] == pytest.approx(metrics_1[name], rel=1e-4, abs=1e-6), name
+
+
+def test_shared_prompt_rows_train_the_same_weights_from_fewer_tokens(update):
+    metrics_1, policy_1 = update(1, "full")
+    metrics_shared, policy_shared = update(2, "full-shared")  # 2 ranks: packs are dealt to ranks like samples
+
+    weights_1, weights_shared = load_weights(policy_1), load_weights(policy_shared)
+    max_abs_diff = max((weights_1[name] - weights_shared[name]).abs().max().item() for name in weights_1)
+    print(f"shared prompts: max |w - w_shared| = {max_abs_diff:.3g}")
+    assert max_abs_diff <= 1e-5
+    for name in ["actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/kl_loss"]:
+        assert metrics_shared[name] == pytest.approx(metrics_1[name], rel=1e-4, abs=1e-6), name
+    assert metrics_shared["perf/num_tokens"] == metrics_1["perf/num_tokens"]
+    assert metrics_shared["perf/real_tokens"] < 0.8 * metrics_1["perf/real_tokens"]  # prompts computed once per pack
 
 
 def test_each_epoch_takes_one_optimizer_step_per_mini_batch_of_prompts(update):

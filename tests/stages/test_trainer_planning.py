@@ -117,27 +117,115 @@ def test_warmup_ratio_counts_a_fraction_of_the_total_steps_unless_steps_are_give
 # ------------------------------------------------------------------------------- tensor layout
 
 
-def test_collate_then_scatter_returns_each_response_token_value_to_its_place():
-    from batchrl.trainer.data import Samples, collate, scatter_response_values
+def _samples(prompts, responses, prompt_ids=None):
+    from batchrl.trainer.data import Samples
 
-    prompts, responses = [[5, 6], [], [7]], [[8, 9, 10], [11, 12], []]
-    offsets = np.array([0, 3, 5, 5])
-    samples = Samples(prompt_ids=["a", "b", "c"], sample_idx=[0, 0, 0], prompt_token_ids=prompts,
-                      response_token_ids=responses, rollout_logprobs=[[], [], []], advantages_N=np.array([1.0, -1, 2]),
-                      group_N=np.arange(3), response_offsets_N1=offsets)
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in responses])])
+    prompt_ids = prompt_ids or [str(k) for k in range(len(prompts))]
+    return Samples(prompt_ids=prompt_ids, sample_idx=[0] * len(prompts), prompt_token_ids=prompts,
+                   response_token_ids=responses, rollout_logprobs=[[] for _ in prompts],
+                   advantages_N=np.arange(1.0, len(prompts) + 1), group_N=np.unique(prompt_ids, return_inverse=True)[1],
+                   response_offsets_N1=offsets)
+
+
+def test_collate_then_scatter_returns_each_response_token_value_to_its_place():
+    from batchrl.trainer.data import collate, scatter_response_values
+
+    samples = _samples([[5, 6], [], [7]], [[8, 9, 10], [11, 12], []])
     flat = np.array([-1, -2, -3, -4, -5], dtype=np.float32)
     mb = collate(samples, [1, 0, 2], pad_token_id=0, device=torch.device("cpu"), token_values={"old": flat})
 
-    # row 1 is sample 0: prompt [5, 6] predicts 8 at position 1, 9 at 2, 10 at 3
-    assert mb.labels_BT[1].tolist() == [6, 8, 9, 10]
-    assert mb.response_mask_BT[1].tolist() == [False, True, True, True]
-    assert mb.token_values_BT["old"][1].tolist() == [0, -1, -2, -3]
-    # row 0 is sample 1 (empty prompt): its first response token has no predictor
-    assert mb.response_mask_BT[0].tolist() == [True, False, False, False]
+    assert mb.input_ids_BL.tolist() == [[11, 12, 0, 0, 0], [5, 6, 8, 9, 10], [7, 0, 0, 0, 0]]
+    assert mb.attention_mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert mb.position_ids_BL is None and mb.real_tokens == 8 and mb.padded_tokens == 15
+    # sample 0 (row 1 of the input, row 1 of [S, R]): prompt [5, 6] predicts 8 at position 1, 9 at 2, 10 at 3
+    assert mb.logit_rows_S.tolist() == [0, 1, 2]
+    assert mb.logit_positions_SR[1].tolist() == [1, 2, 3]
+    assert mb.labels_SR[1].tolist() == [8, 9, 10]
+    assert mb.token_values_SR["old"][1].tolist() == [-1, -2, -3]
+    assert mb.advantages_SR[1].tolist() == [1.0, 1.0, 1.0]
+    # sample 1 (empty prompt): its first response token has no predictor
+    assert mb.response_mask_SR[0].tolist() == [False, True, False]
+    assert mb.logit_positions_SR[0, 1] == 0  # 12 is predicted by 11
     assert samples.loss_tokens_N.tolist() == [3, 1, 0]
     out = torch.zeros(5)
-    scatter_response_values(mb.token_values_BT["old"], mb, samples, out_flat=out)
+    scatter_response_values(mb.token_values_SR["old"], mb, samples, out_flat=out)
     assert out.tolist() == [-1, -2, -3, 0, -5]  # the unpredictable token reads 0
+
+
+def test_a_pack_holds_the_prompt_once_and_each_response_sees_the_prompt_and_itself_at_its_unpacked_positions():
+    from batchrl.trainer.data import collate_packs, scatter_response_values
+
+    samples = _samples([[5, 6], [5, 6], [7]], [[8, 9], [10], [11]], prompt_ids=["a", "a", "b"])
+    flat = np.array([-1, -2, -3, -4], dtype=np.float32)
+    mb = collate_packs(samples, [[0, 1], [2]], pad_token_id=0, device=torch.device("cpu"), token_values={"old": flat})
+
+    assert mb.input_ids_BL.tolist() == [[5, 6, 8, 9, 10], [7, 11, 0, 0, 0]]
+    assert mb.position_ids_BL.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    assert mb.real_tokens == 7
+    allowed = mb.attention_mask[0, 0].int().tolist()
+    assert allowed == [[1, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0],
+                       [1, 1, 1, 0, 0],   # response 0 sees the prompt and itself
+                       [1, 1, 1, 1, 0],
+                       [1, 1, 0, 0, 1]]   # response 1 sees the prompt, not response 0
+    assert mb.attention_mask[1, 0].int().tolist()[:2] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    assert all(row.any() for row in mb.attention_mask[1, 0])  # padding queries see something: no NaN rows
+    # both responses' first tokens are predicted by the prompt's last position
+    assert mb.logit_rows_S.tolist() == [0, 0, 1]
+    assert mb.logit_positions_SR.tolist() == [[1, 2], [1, 0], [0, 0]]
+    assert mb.response_mask_SR.tolist() == [[True, True], [True, False], [True, False]]
+    assert mb.labels_SR.tolist() == [[8, 9], [10, 0], [11, 0]]
+    out = torch.zeros(4)
+    scatter_response_values(mb.token_values_SR["old"], mb, samples, out_flat=out)
+    assert out.tolist() == [-1, -2, -3, -4]
+
+
+def test_prompt_packs_group_equal_prompts_within_the_token_budget_and_leave_empty_prompts_alone():
+    from batchrl.trainer.batching import prompt_packs
+
+    key, prompt, response = [0, 0, 0, 1, 0, 2], [4, 4, 4, 3, 4, 0], [2, 3, 5, 1, 1, 2]
+    packs = prompt_packs(range(6), prompt_key_N=key, prompt_lengths_N=prompt, response_lengths_N=response,
+                         max_tokens=10)
+    # 4 + 2 + 3 = 9 fits, + 5 does not: a new pack for sample 2, which then takes sample 4 (4 + 5 + 1 = 10)
+    assert packs == [[0, 1], [2, 4], [3], [5]]
+    assert prompt_packs([4, 0], prompt_key_N=key, prompt_lengths_N=prompt, response_lengths_N=response,
+                        max_tokens=100) == [[4, 0]]
+
+
+def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(tmp_path):
+    from batchrl.toy import build_toy_model
+    from batchrl.trainer.data import collate, collate_packs
+    from batchrl.trainer.worker import load_model, policy_logprobs
+
+    build_toy_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, num_layers=2)
+    model = load_model(str(tmp_path / "m")).eval()
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompt_a, prompt_b = rng.integers(3, vocab, 9).tolist(), rng.integers(3, vocab, 4).tolist()
+    responses = [rng.integers(3, vocab, n).tolist() for n in (5, 1, 7, 3, 6)]
+    samples = _samples([prompt_a] * 3 + [prompt_b] * 2, responses, prompt_ids=["a"] * 3 + ["b"] * 2)
+    cpu = torch.device("cpu")
+
+    def forward_backward(mb):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = policy_logprobs(model, mb, entropy_grad=True)
+        mask = mb.response_mask_SR
+        ((logprobs * mb.advantages_SR)[mask].sum() + entropy[mask].sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        order = np.argsort(mb.indices)
+        return logprobs[order].detach(), entropy[order].detach(), mask[order], grads
+
+    plain = forward_backward(collate(samples, range(5), pad_token_id=0, device=cpu))
+    packed_mb = collate_packs(samples, [[0, 1, 2], [3, 4]], pad_token_id=0, device=cpu)
+    assert packed_mb.real_tokens == 9 + 13 + 4 + 9  # each prompt counted once
+    packed = forward_backward(packed_mb)
+    assert torch.equal(plain[2], packed[2])
+    torch.testing.assert_close(packed[0][packed[2]], plain[0][plain[2]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed[1][packed[2]], plain[1][plain[2]], atol=1e-5, rtol=0)
+    for name, grad in plain[3].items():
+        torch.testing.assert_close(packed[3][name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 # ------------------------------------------------------------------------- gradient checkpointing

@@ -57,6 +57,14 @@ def test_group_relative_advantage_needs_two_samples_per_prompt(tmp_path):
         load_pipeline(write(tmp_path, raw))
 
 
+def test_shared_prompts_need_a_token_budget(tmp_path):
+    raw = dict(MINIMAL, update={"share_prompt": True})
+    with pytest.raises(ConfigError, match=r"update\.share_prompt needs update\.max_tokens_per_micro_batch"):
+        load_pipeline(write(tmp_path, raw))
+    raw = dict(MINIMAL, update={"share_prompt": True, "max_tokens_per_micro_batch": 4096})
+    assert load_pipeline(write(tmp_path, raw)).update.share_prompt
+
+
 def test_missing_pipeline_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_pipeline(tmp_path / "nope.yaml")
