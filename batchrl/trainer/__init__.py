@@ -2,7 +2,9 @@
 
 `spec` is the serialisable job description, `launch` starts one process per rank and waits for them (fresh
 per update, or resident across updates until `shutdown_trainers()`),
-`worker` is what each rank runs. Its pieces: `data` (the advantages table and micro-batch tensors),
+`ray_launch` runs the ranks as Ray actors in a placement group instead (on a Ray cluster; each stages its own
+inputs and uploads its outputs), `worker` is what each rank runs. Its pieces: `data` (the advantages table and
+micro-batch tensors),
 `batching` (mini-batch and token-budget micro-batch plans), `schedule` (lr per optimizer step) and
 `checkpoint` (HF policy, optimizer state for exact resume, the log-probs table), `progress_file` (rank 0's
 steps done / planned, read by the launcher for a progress bar).
