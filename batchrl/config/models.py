@@ -256,7 +256,18 @@ class UpdateConfig(_Strict):
                                                       "they saved (checked by sha256), the sharded model and "
                                                       "optimizer in memory; CPU (gloo) only, on GPUs (nccl) fresh "
                                                       "processes are used as with stage. stage: fresh processes "
-                                                      "for every update. Results are identical either way.")
+                                                      "for every update. Results are identical either way. "
+                                                      "Applies to update.launcher=local only.")
+    launcher: Literal["auto", "local", "ray"] = Field("auto", description="Where the update's ranks run. local: "
+                                                      "processes on the driver's host. ray: Ray actors in a placement "
+                                                      "group (one bundle of update.cpus_per_rank CPUs, and a GPU with "
+                                                      "nccl, per rank), fresh for every update; each stages its own "
+                                                      "inputs from and uploads its outputs to the run directory, "
+                                                      "which must be on object storage when the cluster has several "
+                                                      "nodes. auto: ray when the run is connected to a Ray cluster "
+                                                      "(ray.address or $RAY_ADDRESS), local with the embedded Ray.")
+    cpus_per_rank: float = Field(1.0, gt=0, description="CPUs each rank's placement-group bundle reserves with "
+                                 "update.launcher=ray.")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "UpdateConfig":

@@ -43,6 +43,11 @@ def set_embedded_ray(on: bool) -> None:
     _EMBEDDED_RAY["on"] = on
 
 
+def embedded_ray() -> bool:
+    """Whether the Ray in use is an embedded local one (set by the runner), rather than a cluster."""
+    return _EMBEDDED_RAY["on"]
+
+
 def runs_in_driver(num_jobs: int, *, num_gpus: float) -> bool:
     """One CPU shard on an embedded local Ray: the driver processes it itself.
 

@@ -3,7 +3,9 @@
 The stage is glue: it resolves local paths (downloading the advantages parts, the input policy, the reference
 policy and the previous optimizer state when the run lives on object storage), hands an UpdateSpec to the
 trainer's launcher (N torch.distributed processes, gloo on CPU / NCCL on GPU), and publishes into
-``iter_NNNN/policy/``:
+``iter_NNNN/policy/``. With ``update.launcher: ray`` (on a Ray cluster) the ranks are Ray actors, possibly on
+other nodes: the spec then names the run directory's own URIs, each actor stages its inputs and uploads its
+outputs itself (`batchrl.trainer.ray_launch`), and the stage only lists what they uploaded. Either way:
 
 - the HF checkpoint (config, safetensors, tokenizer): the manifest's ``parts``, what the next iteration's
   generate stage loads;
@@ -52,7 +54,9 @@ class UpdateStage:
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         u = cfg.update
-        return {"update": u.model_dump(exclude={"timeout_s", "keep_last_k_optimizer_states", "trainer_lifetime"}),
+        # Where and how the ranks run, and how long they may take, do not change what they compute.
+        placement = {"timeout_s", "trainer_lifetime", "launcher", "cpus_per_rank"}
+        return {"update": u.model_dump(exclude=placement | {"keep_last_k_optimizer_states"}),
                 "saves_optimizer_state": u.keep_last_k_optimizer_states != 0, "seed": cfg.run.seed,
                 "dtype": cfg.model.dtype, "schedule_iterations": _schedule_iterations(cfg),
                 "norm_length": _norm_length(cfg), "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None}
@@ -60,12 +64,15 @@ class UpdateStage:
     def run(self, ctx: StageContext) -> StageOutput:
         from batchrl.trainer import run_update, shutdown_trainers
 
-        resident = ctx.cfg.update.trainer_lifetime == "run"
+        on_ray = _launcher(ctx.cfg) == "ray"
+        resident = ctx.cfg.update.trainer_lifetime == "run" and not on_ray
         if not resident:
             shutdown_trainers()  # ranks left resident by an earlier configuration in this process
         _prune_trainer_states(ctx)
+        if on_ray:
+            return _run_on_ray(ctx)
         with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
-            spec = _spec(ctx, scratch)
+            spec = _local_spec(ctx, scratch)
             with progress(None, "update: loading", enabled=ctx.cfg.tracking.progress_bars) as bar:
                 show = _progress_display(bar) if bar.drawn else None  # no bar: the ranks write no progress file
                 metrics = run_update(spec, timeout_s=ctx.cfg.update.timeout_s, on_progress=show, resident=resident)
@@ -104,17 +111,74 @@ def _progress_display(bar: ProgressBar) -> Callable[[dict[str, Any]], None]:
     return show
 
 
-def _spec(ctx: StageContext, scratch: str):
-    """The UpdateSpec for this iteration, with every input made local."""
+def _launcher(cfg: PipelineConfig) -> str:
+    """update.launcher, with auto resolved: ray when this process is connected to a Ray cluster (not the runner's
+    embedded local Ray, where local processes are the same machine without the actor overhead), else local."""
+    if cfg.update.launcher != "auto":
+        return cfg.update.launcher
+    import ray
+
+    from batchrl.pipeline.shards import embedded_ray
+
+    return "ray" if ray.is_initialized() and not embedded_ray() else "local"
+
+
+def _run_on_ray(ctx: StageContext) -> StageOutput:
+    """The update as Ray actors that read their inputs from and write their outputs to the run directory
+    (`batchrl.trainer.ray_launch`); the manifest lists what they uploaded, so nothing is published from here."""
+    from batchrl.trainer.ray_launch import run_update_on_ray
+
+    u = ctx.cfg.update
+    with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
+        keeps_state = u.keep_last_k_optimizer_states != 0
+        spec = _spec(ctx, policy_in=ctx.policy_in,
+                     reference_policy=ctx.cfg.model.path if u.kl_loss_coef > 0 else None,
+                     advantages_files=[join(ctx.input_dirs["advantages"], p.name)
+                                       for p in ctx.inputs["advantages"].parts],
+                     trainer_state_in=_previous_trainer_state_uri(ctx) if keeps_state else None,
+                     policy_out=ctx.output_dir, out_dir=ctx.output_dir,
+                     metrics_path=str(Path(scratch) / "metrics.json"))
+        with progress(None, f"update: {u.num_processes} rank(s) on Ray", enabled=ctx.cfg.tracking.progress_bars):
+            result = run_update_on_ray(spec, timeout_s=u.timeout_s, cpus_per_rank=u.cpus_per_rank)
+    parts, extra_parts, state_bytes = [], {"logprobs": []}, 0
+    for uploaded in result.uploaded:
+        name = uploaded.uri[len(ctx.output_dir.rstrip("/")) + 1:]
+        part = PartInfo(name=name, rows=0, sha256=uploaded.sha256, num_bytes=uploaded.num_bytes)
+        if name.startswith(f"{TRAINER_STATE_DIR}/"):  # not in the manifest: keep-last-K deletes it later
+            state_bytes += uploaded.num_bytes
+        elif name.startswith("_logprobs/"):
+            extra_parts["logprobs"].append(part)
+        else:
+            parts.append(part)
+    logger.info("the update's Ray workers published the policy checkpoint (%d files) and %.1f MB of optimizer "
+                "state to %s", len(parts), state_bytes / 1e6, ctx.output_dir)
+    return StageOutput(parts=sorted(parts, key=lambda p: p.name), stats=result.metrics, extra_parts=extra_parts)
+
+
+def _local_spec(ctx: StageContext, scratch: str):
+    """The UpdateSpec for the local launcher: every input made local, every output in `scratch`, published after."""
+    u = ctx.cfg.update
+    keeps_state = u.keep_last_k_optimizer_states != 0
+    return _spec(ctx, policy_in=local_copy(ctx.policy_in),
+                 reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
+                 advantages_files=[_local_file(join(ctx.input_dirs["advantages"], p.name), scratch, "advantages")
+                                   for p in ctx.inputs["advantages"].parts],
+                 trainer_state_in=_previous_trainer_state(ctx, scratch) if keeps_state else None,
+                 policy_out=str(Path(scratch) / "policy"), out_dir=scratch,
+                 metrics_path=str(Path(scratch) / "metrics.json"))
+
+
+def _spec(ctx: StageContext, *, policy_in: str, reference_policy: str | None, advantages_files: list[str],
+          trainer_state_in: str | None, policy_out: str, out_dir: str, metrics_path: str):
+    """The UpdateSpec for this iteration with the caller's paths; the trainer state and the log-probs table go
+    under `out_dir` (at the names the run directory uses)."""
     from batchrl.trainer import UpdateSpec
 
     u, cfg = ctx.cfg.update, ctx.cfg
-    files = [_local_file(join(ctx.input_dirs["advantages"], p.name), scratch, "advantages")
-             for p in ctx.inputs["advantages"].parts]
     keeps_state = u.keep_last_k_optimizer_states != 0
     return UpdateSpec(
-        policy_in=local_copy(ctx.policy_in), policy_out=str(Path(scratch) / "policy"), advantages_files=files,
-        metrics_path=str(Path(scratch) / "metrics.json"), num_processes=u.num_processes, backend=u.backend,
+        policy_in=policy_in, policy_out=policy_out, advantages_files=advantages_files,
+        metrics_path=metrics_path, num_processes=u.num_processes, backend=u.backend,
         lr=u.lr, weight_decay=u.weight_decay, max_grad_norm=u.max_grad_norm, clip_ratio_low=u.clip_ratio_low,
         clip_ratio_high=u.clip_ratio_high, dual_clip_ratio=u.dual_clip_ratio, policy_loss=u.policy_loss,
         loss_agg_mode=u.loss_agg_mode, loss_agg_norm_length=_norm_length(cfg), micro_batch_size=u.micro_batch_size,
@@ -122,13 +186,13 @@ def _spec(ctx: StageContext, scratch: str):
         ppo_epochs=u.ppo_epochs, seed=cfg.run.seed + (ctx.iteration or 0),
         dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32", old_logprobs=u.old_logprobs,
         entropy_coeff=u.entropy_coeff, kl_loss_coef=u.kl_loss_coef, kl_estimator=u.kl_estimator,
-        reference_policy=local_copy(cfg.model.path) if u.kl_loss_coef > 0 else None, rollout_is_cap=u.rollout_is_cap,
+        reference_policy=reference_policy, rollout_is_cap=u.rollout_is_cap,
         lr_schedule=u.lr_schedule, lr_warmup_steps=u.lr_warmup_steps, lr_warmup_ratio=u.lr_warmup_ratio,
         min_lr_ratio=u.min_lr_ratio, lr_total_steps=u.lr_total_steps, num_iterations=_schedule_iterations(cfg) or 1,
         cpu_offload=u.cpu_offload, gradient_checkpointing=u.gradient_checkpointing,
-        trainer_state_in=_previous_trainer_state(ctx, scratch) if keeps_state else None,
-        trainer_state_out=str(Path(scratch) / TRAINER_STATE_DIR) if keeps_state else None,
-        logprobs_out=str(Path(scratch) / LOGPROBS_PART))
+        trainer_state_in=trainer_state_in,
+        trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
+        logprobs_out=join(out_dir, LOGPROBS_PART))
 
 
 def _schedule_iterations(cfg: PipelineConfig) -> int | None:
@@ -146,18 +210,27 @@ def _norm_length(cfg: PipelineConfig) -> int | None:
     return cfg.update.loss_agg_norm_length or cfg.generate.max_new_tokens
 
 
-def _previous_trainer_state(ctx: StageContext, scratch: str) -> str | None:
-    """The optimizer state saved next to this iteration's input policy (iterations > 0), made local."""
+def _previous_trainer_state_uri(ctx: StageContext) -> str | None:
+    """Where the optimizer state saved next to this iteration's input policy is (iterations > 0), if it is."""
     if not ctx.iteration:
         return None  # iteration 0 starts from model.path with fresh optimizer moments
     uri = join(ctx.policy_in, TRAINER_STATE_DIR)
-    fs, path = resolve(uri)
+    fs, _ = resolve(uri)
     if not fs.exists(resolve(join(uri, "trainer_state.json"))[1]):
         logger.warning("iteration %d: no optimizer state under %s (deleted, or written with "
                        "keep_last_k_optimizer_states=0); AdamW restarts from zero moments", ctx.iteration, uri)
         return None
+    return uri
+
+
+def _previous_trainer_state(ctx: StageContext, scratch: str) -> str | None:
+    """The optimizer state saved next to this iteration's input policy (iterations > 0), made local."""
+    uri = _previous_trainer_state_uri(ctx)
+    if uri is None:
+        return None
     if is_local(uri):
         return uri.removeprefix("file://")
+    fs, path = resolve(uri)
     target = Path(scratch) / "trainer_state_in"
     for remote in fs.find(path):
         local = target / remote[len(path.rstrip("/")) + 1:]

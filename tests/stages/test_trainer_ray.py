@@ -1,0 +1,163 @@
+"""The update as Ray actors in a placement group (`ray_launch`) computes what local processes compute, stages its
+own inputs, uploads what every rank wrote, and cleans up after a failure. 2 gloo ranks on the tiny Qwen2 of
+test_trainer, on a local Ray instance (the launcher cannot tell it from a one-node cluster)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_trainer import load_weights, synthetic_rows, write_advantages
+
+from batchrl.trainer import UpdateSpec, run_update
+from batchrl.trainer.ray_launch import check_reachable_from_all_nodes, run_update_on_ray
+
+TIMEOUT_S = 180
+# Two mini-batches, a reference that differs from the policy (KL loss): the second update's steps depend on the
+# Adam moments the first one saved, so a rank's optimizer shard that was not uploaded would change the result.
+OPTIONS = dict(num_processes=2, backend="gloo", lr=1e-4, micro_batch_size=2, ppo_mini_batch_size=2, kl_loss_coef=0.1)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray instance with 2 CPUs (one per rank), unless the process is already connected to one."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trainer_ray")
+
+
+@pytest.fixture(scope="module")
+def policies(workdir) -> tuple[Path, Path]:
+    """(reference, policy): the tiny model and a perturbed copy of it."""
+    from transformers import AutoModelForCausalLM
+
+    from batchrl.toy import build_toy_model
+
+    reference, policy = workdir / "reference", workdir / "policy_in"
+    build_toy_model(reference, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(str(policy))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (policy / name).write_bytes((reference / name).read_bytes())
+    return reference, policy
+
+
+@pytest.fixture(scope="module")
+def advantages_files(workdir, policies) -> list[str]:
+    from transformers import AutoConfig
+
+    vocab_size = AutoConfig.from_pretrained(str(policies[0])).vocab_size
+    return write_advantages(synthetic_rows(vocab_size=vocab_size, seed=3), workdir / "advantages")
+
+
+def two_updates(launch, *, out: Path, policies, advantages_files) -> list[Path]:
+    """Two consecutive updates, the second from the first's policy and optimizer state; their output dirs."""
+    reference, policy_in = policies
+    outs = [out / "update-0", out / "update-1"]
+    for index, update_out in enumerate(outs):
+        spec = UpdateSpec(policy_in=str(policy_in if index == 0 else outs[0] / "policy"),
+                          policy_out=str(update_out / "policy"), advantages_files=advantages_files,
+                          metrics_path=str(update_out / "metrics.json"), reference_policy=str(reference),
+                          trainer_state_in=None if index == 0 else str(outs[0] / "trainer_state"),
+                          trainer_state_out=str(update_out / "trainer_state"),
+                          logprobs_out=str(update_out / "logprobs.parquet"), seed=index, **OPTIONS)
+        launch(spec)
+    return outs
+
+
+def test_ray_actors_train_the_same_weights_as_local_processes_and_upload_every_ranks_files(
+        ray_session, workdir, policies, advantages_files):
+    local = two_updates(lambda spec: run_update(spec, timeout_s=TIMEOUT_S), out=workdir / "local",
+                        policies=policies, advantages_files=advantages_files)
+    results = []
+    on_ray = two_updates(lambda spec: results.append(run_update_on_ray(spec, timeout_s=TIMEOUT_S)),
+                         out=workdir / "ray", policies=policies, advantages_files=advantages_files)
+
+    for local_out, ray_out in zip(local, on_ray):
+        weights_local, weights_ray = load_weights(local_out / "policy"), load_weights(ray_out / "policy")
+        assert max((weights_local[k] - weights_ray[k]).abs().max().item() for k in weights_local) <= 1e-6
+        assert pq.read_table(local_out / "logprobs.parquet").equals(pq.read_table(ray_out / "logprobs.parquet"))
+        assert sorted(p.relative_to(local_out).as_posix() for p in local_out.rglob("*") if p.is_file()) == \
+            sorted(p.relative_to(ray_out).as_posix() for p in ray_out.rglob("*") if p.is_file())
+    assert {Path(f.uri).name for f in results[0].uploaded} >= {"__0_0.distcp", "__1_0.distcp", ".metadata",
+                                                               "trainer_state.json", "model.safetensors"}
+    assert all(Path(f.uri).stat().st_size == f.num_bytes for f in results[0].uploaded)
+    assert results[1].metrics["actor/optimizer_state_restored"] == 1.0 and results[1].metrics["actor/kl_loss"] > 0
+    assert results[1].metrics["actor/global_step"] == 4
+
+
+def placement_groups_left() -> list[dict]:
+    import ray
+
+    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def test_a_failing_rank_raises_its_error_and_leaves_no_placement_group(ray_session, tmp_path, policies):
+    from transformers import AutoConfig
+
+    rows = synthetic_rows(vocab_size=AutoConfig.from_pretrained(str(policies[0])).vocab_size, seed=4)
+    rows[3]["advantage"] = float("nan")
+    spec = UpdateSpec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
+                      advantages_files=write_advantages(rows, tmp_path / "advantages"),
+                      metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo")
+
+    with pytest.raises(RuntimeError, match=r"update rank \d failed on Ray(.|\n)*NaN"):
+        run_update_on_ray(spec, timeout_s=TIMEOUT_S)
+    assert placement_groups_left() == []
+    assert not (tmp_path / "policy").exists() and not (tmp_path / "metrics.json").exists()
+
+    with pytest.raises(RuntimeError, match="timed out after 0.5 s"):
+        run_update_on_ray(spec, timeout_s=0.5)
+    assert placement_groups_left() == []
+
+
+def test_a_multi_node_update_refuses_local_paths_and_accepts_object_storage():
+    spec = UpdateSpec(policy_in="Qwen/Qwen2.5-0.5B", policy_out="/runs/r/iter_0000/policy",
+                      advantages_files=["s3://b/r/iter_0000/advantages/part-00000.parquet"], metrics_path="m.json")
+
+    check_reachable_from_all_nodes(spec, num_nodes=1)
+    with pytest.raises(ValueError, match="policy_out=/runs/r/iter_0000/policy is a local path.*run.root"):
+        check_reachable_from_all_nodes(spec, num_nodes=2)
+    check_reachable_from_all_nodes(dataclasses.replace(spec, policy_out="s3://b/r/iter_0000/policy"), num_nodes=2)
+
+
+def test_auto_launches_on_ray_only_on_a_cluster_and_the_launcher_is_not_in_the_fingerprint(ray_session, tmp_path):
+    from batchrl.config import ConfigError, load_pipeline
+    from batchrl.config.models import PipelineConfig
+    from batchrl.pipeline.shards import set_embedded_ray
+    from batchrl.stages.update import UpdateStage, _launcher
+
+    def config(**update) -> PipelineConfig:
+        return PipelineConfig(name="t", model={"path": "m"}, data={"train_files": ["x.parquet"]}, update=update)
+
+    try:
+        set_embedded_ray(True)  # the runner's own local Ray
+        assert _launcher(config()) == "local" and _launcher(config(launcher="ray")) == "ray"
+        set_embedded_ray(False)  # connected to a cluster (this test's Ray stands in for one)
+        assert _launcher(config()) == "ray" and _launcher(config(launcher="local")) == "local"
+    finally:
+        set_embedded_ray(False)
+    fingerprint = UpdateStage().fingerprint_config
+    assert fingerprint(config(launcher="ray", cpus_per_rank=4)) == fingerprint(config(launcher="local")) == \
+        fingerprint(config())
+    (tmp_path / "p.yaml").write_text("name: t\nmodel: {path: m}\ndata: {train_files: [x]}\nupdate: {launcher: slurm}\n")
+    with pytest.raises(ConfigError, match=r"update\.launcher"):
+        load_pipeline(tmp_path / "p.yaml")
