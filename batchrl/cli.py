@@ -35,7 +35,9 @@ PipelineArg = typer.Argument(..., help="Pipeline YAML file, e.g. pipelines/quick
 SetOpt = typer.Option([], "--set", help="Override a config field: --set generate.temperature=0.7 (repeatable).")
 RunIdOpt = typer.Option(None, "--run-id", help="Run id (directory under run.root); the same id resumes.")
 FromStageOpt = typer.Option(None, "--from-stage", help="Redo this stage (ingest, generate, score, advantage, update) "
-                            "of --iteration and every stage after it, keeping the stages before it.")
+                            "of --iteration and every stage after it, keeping the stages before it; 'evaluate' "
+                            "redoes only the evaluations from --iteration on (default: from the initial policy's), "
+                            "never training.")
 IterationOpt = typer.Option(None, "--iteration", help="Iteration of --from-stage (default 0).")
 VerifyOpt = typer.Option(False, "--verify", help="Check every committed part's sha256 against its manifest "
                          "(reads all data); damaged parts are redone. Without it, only presence and size are checked.")

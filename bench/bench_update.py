@@ -8,11 +8,16 @@
    each (the trainer reports perf/step_time_min_s), which is the least disturbed one on a shared machine.
 2. Padding: padded tokens / real tokens of the token-budget micro-batches on a GSM8K-like length
    distribution (target <= 1.1), and, for contrast, of fixed-size micro-batches in table order.
+3. Shared prompts (update.share_prompt): the same trainer update with and without, on groups of 8 samples
+   that share their prompt, in two shapes: the quickstart's (25-token prompts, ~5-token responses) and a
+   GSM8K-like one at this bench's scale (~45-token prompts, ~75-token responses). Prints the fastest step's
+   time without / with (> 1: sharing is faster). No target: it says where sharing pays.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +50,39 @@ def write_batch(path: Path, *, vocab_size: int, num_prompts: int, samples_per_pr
                      "response_token_ids": rng.integers(3, vocab_size, r).tolist(),
                      "response_logprobs": (-3 * rng.random(r)).tolist(), "advantage": float(rng.normal())})
     pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def write_groups(path: Path, *, vocab_size: int, num_prompts: int, samples_per_prompt: int, prompt_mean: int,
+                 response_median: int) -> None:
+    """GRPO-shaped batch: every sample of a group has the group's prompt; log-normal response lengths."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for p in range(num_prompts):
+        prompt = rng.integers(3, vocab_size, max(4, int(rng.normal(prompt_mean, prompt_mean / 5)))).tolist()
+        for k in range(samples_per_prompt):
+            length = int(np.clip(np.exp(rng.normal(np.log(response_median), 0.5)), 1, 8 * response_median))
+            rows.append({"prompt_id": f"p{p:04d}", "sample_idx": k, "prompt_token_ids": prompt,
+                         "response_token_ids": rng.integers(3, vocab_size, length).tolist(),
+                         "response_logprobs": (-3 * rng.random(length)).tolist(), "advantage": float(rng.normal())})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def shared_prompt_speedup(spec: UpdateSpec, tmp: Path, *, vocab_size: int, name: str, prompt_mean: int,
+                          response_median: int, repeats: int) -> float:
+    """Fastest step without share_prompt / with it, on a GRPO-shaped batch (32 prompts x 8 samples, 4 steps)."""
+    advantages = tmp / f"groups-{name}.parquet"
+    write_groups(advantages, vocab_size=vocab_size, num_prompts=32, samples_per_prompt=8, prompt_mean=prompt_mean,
+                 response_median=response_median)
+    spec = dataclasses.replace(spec, advantages_files=[str(advantages)], ppo_epochs=1, ppo_mini_batch_size=8)
+    best = {False: [], True: []}
+    for _ in range(repeats):  # interleaved
+        for share in (False, True):
+            metrics = run_update(dataclasses.replace(spec, share_prompt=share), timeout_s=1800)
+            best[share].append((metrics["perf/step_time_min_s"], metrics["perf/real_tokens"]))
+    (plain_s, plain_tokens), (shared_s, shared_tokens) = min(best[False]), min(best[True])
+    print(f"shared prompts, {name}: step {plain_s:.3f} s -> {shared_s:.3f} s, tokens computed per update "
+          f"{plain_tokens:.0f} -> {shared_tokens:.0f}")
+    return plain_s / shared_s
 
 
 def bare_batch(samples, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,6 +168,21 @@ def main() -> None:
     print(f"padding on 4096 GSM8K-like samples, 8 ranks: token budget 16384 {padding_ratio(budget_plan, lengths_N):.3f}, "
           f"8 samples per micro-batch in table order {padding_ratio(table_order, lengths_N):.3f}")
     print(f"RESULT update_padded_over_real_tokens={padding_ratio(budget_plan, lengths_N):.3f} (target <= 1.1)")
+
+    with tempfile.TemporaryDirectory(prefix="bench-update-shared-") as tmp:
+        policy = Path(tmp) / "policy"
+        build_toy_model(policy, hidden_size=256, intermediate_size=704, num_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, seed=0)
+        from transformers import AutoConfig
+
+        vocab_size = AutoConfig.from_pretrained(str(policy)).vocab_size
+        spec = UpdateSpec(policy_in=str(policy), policy_out=str(Path(tmp) / "out"), advantages_files=["unused"],
+                          metrics_path=str(Path(tmp) / "metrics.json"), backend="gloo", lr=1e-5,
+                          max_tokens_per_micro_batch=args.max_tokens, old_logprobs="rollout")
+        for name, prompt_mean, response_median in (("short_responses", 25, 5), ("gsm8k_like", 45, 75)):
+            speedup = shared_prompt_speedup(spec, Path(tmp), vocab_size=vocab_size, name=name, prompt_mean=prompt_mean,
+                                            response_median=response_median, repeats=args.repeats)
+            print(f"RESULT update_shared_prompt_speedup_{name}={speedup:.2f} (step time without / with share_prompt)")
 
 
 if __name__ == "__main__":

@@ -242,6 +242,11 @@ class UpdateConfig(_Strict):
                                        "run.iterations x the steps of the current iteration.")
     gradient_checkpointing: bool = Field(False, description="Recompute decoder-layer activations in backward "
                                          "(less memory, ~30% more compute).")
+    share_prompt: bool = Field(False, description="Compute each prompt once per micro-batch row for several of its "
+                               "samples: a row holds the prompt, then responses that attend to it and to themselves "
+                               "only, at their unpacked positions (same log-probs up to float rounding). Saves the "
+                               "repeated prompt tokens' forward and backward; pays when prompts are long relative to "
+                               "responses. Needs max_tokens_per_micro_batch and the sdpa or eager attention.")
     cpu_offload: bool = Field(False, description="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in "
                               "host memory (GPU only; an error on CPU/gloo).")
     keep_last_k_optimizer_states: int | None = Field(1, ge=0, description="Optimizer states (for exact resume across "
@@ -278,6 +283,9 @@ class UpdateConfig(_Strict):
             raise ValueError("update.dual_clip_ratio applies to policy_loss=ppo_clip only; set it to null")
         if self.lr_warmup_steps > 0 and self.lr_warmup_ratio > 0:
             raise ValueError("set one of update.lr_warmup_steps and update.lr_warmup_ratio, not both")
+        if self.share_prompt and self.max_tokens_per_micro_batch is None:
+            raise ValueError("update.share_prompt needs update.max_tokens_per_micro_batch (packs of responses are "
+                             "sized in tokens); set max_tokens_per_micro_batch, e.g. 8192, or share_prompt: false")
         if self.cpu_offload and self.backend == "gloo":
             raise ValueError("update.cpu_offload needs GPUs (backend nccl); on CPU the parameters already live in host "
                              "memory. Set cpu_offload: false")

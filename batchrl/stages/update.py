@@ -56,7 +56,7 @@ class UpdateStage:
         u = cfg.update
         # Where and how the ranks run, and how long they may take, do not change what they compute.
         placement = {"timeout_s", "trainer_lifetime", "launcher", "cpus_per_rank"}
-        return {"update": u.model_dump(exclude=placement | {"keep_last_k_optimizer_states"}),
+        return {"update": u.model_dump(exclude=placement | {"keep_last_k_optimizer_states", "share_prompt"}),
                 "saves_optimizer_state": u.keep_last_k_optimizer_states != 0, "seed": cfg.run.seed,
                 "dtype": cfg.model.dtype, "schedule_iterations": _schedule_iterations(cfg),
                 "norm_length": _norm_length(cfg), "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None}
@@ -189,7 +189,7 @@ def _spec(ctx: StageContext, *, policy_in: str, reference_policy: str | None, ad
         reference_policy=reference_policy, rollout_is_cap=u.rollout_is_cap,
         lr_schedule=u.lr_schedule, lr_warmup_steps=u.lr_warmup_steps, lr_warmup_ratio=u.lr_warmup_ratio,
         min_lr_ratio=u.min_lr_ratio, lr_total_steps=u.lr_total_steps, num_iterations=_schedule_iterations(cfg) or 1,
-        cpu_offload=u.cpu_offload, gradient_checkpointing=u.gradient_checkpointing,
+        cpu_offload=u.cpu_offload, gradient_checkpointing=u.gradient_checkpointing, share_prompt=u.share_prompt,
         trainer_state_in=trainer_state_in,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_out=join(out_dir, LOGPROBS_PART))

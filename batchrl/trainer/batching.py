@@ -118,6 +118,7 @@ def plan_micro_batches(
         chunks = _cut_by_token_budget(order, lengths_N, max_tokens=max_tokens)
     else:
         chunks = [order[start : start + max_samples] for start in range(0, len(order), max_samples)]
+    _split_until_every_rank_has_work(chunks, lengths_N, world_size=world_size)
     plan: list[list[list[int]]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     for chunk in sorted(chunks, key=lambda c: (-padded_tokens(c, lengths_N), c[0])):
@@ -126,6 +127,18 @@ def plan_micro_batches(
         load[rank] += padded_tokens(chunk, lengths_N)
     num_micro_batches = max(1, max(len(micro_batches) for micro_batches in plan))
     return [micro_batches + [[] for _ in range(num_micro_batches - len(micro_batches))] for micro_batches in plan]
+
+
+def _split_until_every_rank_has_work(chunks: list[list[int]], lengths_N: np.ndarray, *, world_size: int) -> None:
+    """Halve the costliest micro-batch (in place) while there are fewer micro-batches than ranks: a mini-batch
+    that fits one budget would otherwise leave all ranks but one idle (e.g. shared-prompt packs, or a small
+    mini-batch under a large budget), and an idle rank still waits for the busy one at every collective."""
+    while len(chunks) < world_size:
+        k = max(range(len(chunks)), key=lambda j: (padded_tokens(chunks[j], lengths_N), -j), default=None)
+        if k is None or len(chunks[k]) < 2:
+            return
+        half = (len(chunks[k]) + 1) // 2
+        chunks[k : k + 1] = [chunks[k][:half], chunks[k][half:]]
 
 
 def _cut_by_token_budget(order: list[int], lengths_N: np.ndarray, *, max_tokens: int) -> list[list[int]]:

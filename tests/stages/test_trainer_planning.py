@@ -72,6 +72,14 @@ def test_ranks_with_fewer_micro_batches_get_empty_ones():
     assert plan_micro_batches([], world_size=2, max_samples=4) == [[[]], [[]]]
 
 
+@pytest.mark.parametrize("limit", [{"max_tokens": 4096}, {"max_samples": 64}])
+def test_a_mini_batch_that_fits_one_micro_batch_is_split_so_that_no_rank_idles(limit):
+    plan = plan_micro_batches([65, 60, 64, 70, 66, 61], world_size=4, **limit)
+    assert [len(micro_batches) for micro_batches in plan] == [1, 1, 1, 1]
+    assert sorted(i for micro_batches in plan for chunk in micro_batches for i in chunk) == list(range(6))
+    assert plan_micro_batches([65], world_size=2, **limit) in ([[[0]], [[]]], [[[]], [[0]]])  # one sample: one rank
+
+
 def test_token_budget_packing_keeps_padding_within_ten_percent_on_realistic_lengths():
     """Prompt ~ N(180, 40) tokens, responses log-normal (median ~300, long tail to the 2048 cap): GSM8K-like."""
     rng = np.random.default_rng(0)
