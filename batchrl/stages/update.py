@@ -69,6 +69,8 @@ class UpdateStage:
         if not resident:
             shutdown_trainers()  # ranks left resident by an earlier configuration in this process
         _prune_trainer_states(ctx)
+        if sum(part.rows for part in ctx.inputs["advantages"].parts) == 0:
+            return _carry_policy_forward(ctx)
         if on_ray:
             return _run_on_ray(ctx)
         with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
@@ -86,6 +88,34 @@ class UpdateStage:
                             sum(p.num_bytes for p in state_files) / 1e6, join(ctx.output_dir, TRAINER_STATE_DIR))
         logger.info("published policy checkpoint (%d files) to %s", len(parts), ctx.output_dir)
         return StageOutput(parts=parts, stats={k: float(v) for k, v in metrics.items()}, extra_parts=extra_parts)
+
+
+def _carry_policy_forward(ctx: StageContext) -> StageOutput:
+    """No advantages rows (DAPO dynamic sampling dropped every group: all rewards equal in each): nothing to train
+    on, so this iteration's policy is its input policy, and its optimizer state the input's, so that the next
+    update continues exactly as if this one had not happened. The run goes on (a later iteration's samples may
+    differ), and `actor/update_skipped` records it."""
+    logger.warning("iteration %s: the advantages table has no rows (every group was filtered out, e.g. by "
+                   "advantage.filter_groups when all of a group's rewards are equal); no update, the policy is "
+                   "carried forward unchanged", ctx.iteration)
+    with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
+        policy = Path(scratch) / "policy"
+        source = local_copy(ctx.policy_in)
+        if Path(source).is_dir():
+            shutil.copytree(source, policy, ignore=shutil.ignore_patterns("_*", ".*"))
+        else:  # a hub id (iteration 0): the checkpoint as transformers loads it
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            AutoModelForCausalLM.from_pretrained(source, dtype="auto").save_pretrained(str(policy))
+            AutoTokenizer.from_pretrained(source).save_pretrained(str(policy))
+        parts = _publish_dir(policy, ctx.output_dir, prefix="")
+        state = _previous_trainer_state(ctx, scratch) if ctx.cfg.update.keep_last_k_optimizer_states != 0 else None
+        if state is not None:
+            copied = Path(scratch) / "trainer_state_out"
+            shutil.copytree(state, copied)  # _publish_dir consumes its source; `state` may be the run's own
+            _publish_dir(copied, ctx.output_dir, prefix=f"{TRAINER_STATE_DIR}/")
+    stats = {"actor/update_skipped": 1.0, "actor/num_optimizer_steps": 0.0, "perf/num_samples": 0.0}
+    return StageOutput(parts=parts, stats=stats, extra_parts={"logprobs": []})
 
 
 def _progress_display(bar: ProgressBar) -> Callable[[dict[str, Any]], None]:
