@@ -185,15 +185,11 @@ def _engine_pool(cfg: PipelineConfig):
     Full size (generate.num_actors), not sized to the eval shards: the generate stage then finds this pool
     and reuses it instead of rebuilding its engines.
     """
-    import ray
-
     from batchrl.stages.generate import EnginePool, engine_spec
 
-    spec, g = engine_spec(cfg), cfg.generate
-    live = EnginePool._current
-    if live is not None and live.key[0] == spec and live.key[-1] == ray.get_runtime_context().get_job_id():
-        return live
-    return EnginePool.get(spec, num_actors=g.num_actors, num_cpus=g.cpus_per_actor, num_gpus=g.gpus_per_actor)
+    g = cfg.generate
+    return EnginePool.get(engine_spec(cfg), num_actors=1, build_actors=g.num_actors, num_cpus=g.cpus_per_actor,
+                          num_gpus=g.gpus_per_actor)
 
 
 def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manifest, scores_dir: str) -> list[PartInfo]:

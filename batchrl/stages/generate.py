@@ -152,19 +152,24 @@ class EnginePool:
 
         actor_cls = ray.remote(max_restarts=2, max_task_retries=2)(GenerateWorker)
         options = {"num_cpus": num_cpus} | ({"num_gpus": num_gpus} if num_gpus else {})
-        self.key = (spec, num_actors, num_cpus, num_gpus, ray.get_runtime_context().get_job_id())
+        self.key = (spec, num_cpus, num_gpus, ray.get_runtime_context().get_job_id())
         self.actors = [actor_cls.options(**options).remote(spec) for _ in range(num_actors)]
 
     @classmethod
-    def get(cls, spec: EngineSpec, *, num_actors: int, num_cpus: float, num_gpus: float) -> "EnginePool":
-        """The live pool when it was built for the same engine in this Ray session, else a new one."""
+    def get(cls, spec: EngineSpec, *, num_actors: int, num_cpus: float, num_gpus: float,
+            build_actors: int | None = None) -> "EnginePool":
+        """The live pool when it holds the same engine in this Ray session with at least `num_actors` actors (a
+        resumed iteration with fewer shards to do reuses the engines); else a new one of `build_actors`
+        (default `num_actors`) actors, after shutting down a live one of this session."""
         import ray
 
-        key = (spec, num_actors, num_cpus, num_gpus, ray.get_runtime_context().get_job_id())
-        if cls._current is None or cls._current.key != key:
-            if cls._current is not None and cls._current.key[-1] == key[-1]:
-                cls._current.shutdown()  # same session, different engine: free its resources
-            cls._current = cls(spec, num_actors=num_actors, num_cpus=num_cpus, num_gpus=num_gpus)
+        key = (spec, num_cpus, num_gpus, ray.get_runtime_context().get_job_id())
+        live = cls._current
+        if live is not None and live.key == key and len(live.actors) >= num_actors:
+            return live
+        if live is not None and live.key[-1] == key[-1]:
+            live.shutdown()  # same session, another engine or too few actors: free its resources first
+        cls._current = cls(spec, num_actors=max(num_actors, build_actors or 0), num_cpus=num_cpus, num_gpus=num_gpus)
         return cls._current
 
     def run(self, jobs: list[dict[str, str]], settings: ShardSettings, *, progress_bars: bool) -> list[dict[str, Any]]:

@@ -119,3 +119,20 @@ def test_a_killed_generation_actor_is_restarted_and_reloads_the_shards_policy(
     _, after_restart = generate(cfg, prompts, policy=second_policy, out_name="after", iteration=1)
     assert EnginePool._current is pool
     assert after_restart == expected  # the restarted actor pushed the shard's policy before generating
+
+
+def test_a_live_pool_with_at_least_the_engines_asked_for_is_reused_and_a_smaller_one_is_rebuilt(
+        ray_session, tmp_path, toy_model_dir, toy_prompts_dir):
+    from batchrl.stages.generate import engine_spec
+
+    cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, "hf")
+    spec, placement = engine_spec(cfg), {"num_cpus": 0.5, "num_gpus": 0}
+    if EnginePool._current is not None:
+        EnginePool._current.shutdown()
+    pool = EnginePool.get(spec, num_actors=1, build_actors=2, **placement)  # evaluate: any live pool, else full
+    assert len(pool.actors) == 2
+    assert EnginePool.get(spec, num_actors=1, **placement) is pool  # a resume with one shard left: same engines
+    assert EnginePool.get(spec, num_actors=2, **placement) is pool
+    bigger = EnginePool.get(spec, num_actors=3, **placement)
+    assert bigger is not pool and len(bigger.actors) == 3 and pool.actors == []  # the old one was shut down
+    bigger.shutdown()
