@@ -216,7 +216,12 @@ def policy_logprobs(
     The lm_head runs only from the first position a response token needs (`logits_to_keep`, when the model
     takes it): prompt positions before it would be [rows, prompt, vocab] logits computed for nothing.
     """
-    inputs = dict(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask, use_cache=False)
+    attention_mask = mb.attention_mask
+    if attention_mask.dim() == 4 and _attention_implementation(model) == "eager":
+        # eager attention adds the mask to the scores: True/False would add 1/0, not allow/forbid
+        attention_mask = torch.zeros(attention_mask.shape, device=attention_mask.device).masked_fill_(
+            ~attention_mask, torch.finfo(torch.float32).min)
+    inputs = dict(input_ids=mb.input_ids_BL, attention_mask=attention_mask, use_cache=False)
     if mb.position_ids_BL is not None:
         inputs["position_ids"] = mb.position_ids_BL
     first = first_logit_position(mb) if _takes_logits_to_keep(model) else 0
@@ -232,9 +237,13 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+def _attention_implementation(model: torch.nn.Module) -> str:
+    return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
 def check_attention(model: torch.nn.Module, spec: UpdateSpec) -> None:
     """Shared-prompt rows need a custom [B, 1, L, L] mask, which flash-attention kernels do not take."""
-    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    implementation = _attention_implementation(model)
     if spec.share_prompt and implementation not in ("sdpa", "eager"):
         raise ValueError(f"update.share_prompt needs the sdpa or eager attention; this model uses {implementation!r}. "
                          "Set update.share_prompt: false")

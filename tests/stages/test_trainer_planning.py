@@ -201,7 +201,8 @@ def test_prompt_packs_group_equal_prompts_within_the_token_budget_and_leave_empt
                         max_tokens=100) == [[4, 0]]
 
 
-def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(tmp_path, attention):
     from batchrl.toy import build_toy_model
     from batchrl.trainer.data import collate, collate_packs
     from batchrl.trainer.worker import load_model, policy_logprobs
@@ -209,6 +210,8 @@ def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(
     build_toy_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_layers=2)
     model = load_model(str(tmp_path / "m")).eval()
+    model.set_attn_implementation(attention)
+    assert model.config._attn_implementation == attention
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompt_a, prompt_b = rng.integers(3, vocab, 9).tolist(), rng.integers(3, vocab, 4).tolist()
