@@ -258,8 +258,36 @@ def _worker_env(*, rank: int, world_size: int, port: int) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p),
     )
     # Like torchrun: N processes on one host must not each start one thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // world_size)))
     return env
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity mask, capped by a cgroup CPU quota (a container limited to 2
+    CPUs on a 64-core host reports 64 from os.cpu_count(), and 32 threads per rank would thrash)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cpus, quota) if quota else cpus)
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """ceil(quota / period) from cgroup v2 cpu.max or v1 cfs files; None without a quota."""
+    import math
+
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else max(1, math.ceil(quota / period))
+    except (OSError, ValueError):
+        return None
 
 
 def _start_worker(spec_path: Path | None, *, rank: int, world_size: int, port: int, log_dir: Path) -> dict:

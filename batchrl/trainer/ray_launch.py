@@ -93,7 +93,7 @@ def run_update_on_ray(
     started = time.perf_counter()
     group = ray.util.placement_group([dict(bundle) for _ in range(spec.num_processes)], strategy=placement_strategy)
     try:
-        _wait_for_placement(group, bundle=bundle, spec=spec, deadline=deadline)
+        _wait_for_placement(group, bundle=bundle, spec=spec, deadline=deadline, timeout_s=timeout_s)
         results = _run_ranks(group, spec, bundle=bundle, deadline=deadline, timeout_s=timeout_s)
     finally:
         ray.util.remove_placement_group(group)
@@ -238,11 +238,17 @@ def _wait_for_ranks(refs: list, *, ranks: dict, deadline: float | None, timeout_
     return results
 
 
-def _wait_for_placement(group, *, bundle: dict, spec: UpdateSpec, deadline: float | None) -> None:
+def _wait_for_placement(group, *, bundle: dict, spec: UpdateSpec, deadline: float | None,
+                        timeout_s: float | None) -> None:
     import ray
 
-    wait_s = PLACEMENT_TIMEOUT_S if deadline is None else min(PLACEMENT_TIMEOUT_S, deadline - time.monotonic())
+    left = None if deadline is None else deadline - time.monotonic()
+    wait_s = PLACEMENT_TIMEOUT_S if left is None else min(PLACEMENT_TIMEOUT_S, left)
     ready, _ = ray.wait([group.ready()], timeout=max(0.0, wait_s))
+    if not ready and left is not None and left < PLACEMENT_TIMEOUT_S:
+        # The update's own deadline ran out first: a timeout, whatever the cluster could have placed later.
+        raise RuntimeError(f"update timed out after {timeout_s} s on Ray (update.timeout_s) while Ray was placing "
+                           f"{spec.num_processes} rank(s) of {bundle}")
     if not ready:
         raise RuntimeError(
             f"update: Ray could not place {spec.num_processes} rank(s) of {bundle} (update.num_processes x "

@@ -321,3 +321,28 @@ def test_the_spec_and_config_offer_exactly_the_algorithms_kl_estimators_and_aggr
     assert spec.LOSS_AGG_MODES == AGGREGATION_MODES
     assert get_args(UpdateConfig.model_fields["kl_estimator"].annotation) == KL_ESTIMATORS
     assert get_args(UpdateConfig.model_fields["loss_agg_mode"].annotation) == AGGREGATION_MODES
+
+
+def test_rank_threads_follow_the_cpu_affinity_and_the_cgroup_quota_not_the_hosts_core_count(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from batchrl.trainer import launch
+
+    cgroup_cpu_quota = launch._cgroup_cpu_quota
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(launch, "_cgroup_cpu_quota", lambda: None)
+    assert launch.usable_cpus() == 8
+    monkeypatch.setattr(launch, "_cgroup_cpu_quota", lambda: 3)
+    assert launch.usable_cpus() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch._worker_env(rank=0, world_size=2, port=1)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert launch._worker_env(rank=0, world_size=2, port=1)["OMP_NUM_THREADS"] == "4"
+
+    real_path = Path
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(launch, "Path", lambda p: cpu_max if p == "/sys/fs/cgroup/cpu.max" else real_path(p))
+    cpu_max.write_text("250000 100000\n")
+    assert cgroup_cpu_quota() == 3
+    cpu_max.write_text("max 100000\n")
+    assert cgroup_cpu_quota() is None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -83,8 +85,29 @@ def two_updates(launch, *, out: Path, policies, advantages_files) -> list[Path]:
     return outs
 
 
+def same_logprobs(table_a: pa.Table, table_b: pa.Table, *, atol: float = 1e-6) -> bool:
+    """Equal keys and counts; log-probs equal to atol (ranks with other thread counts sum in another order)."""
+    if table_a.schema != table_b.schema or table_a.num_rows != table_b.num_rows:
+        return False
+    for name in table_a.column_names:
+        a, b = table_a[name].combine_chunks(), table_b[name].combine_chunks()
+        if pa.types.is_list(a.type):
+            if a.value_lengths() != b.value_lengths():
+                return False
+            a, b = a.flatten(), b.flatten()
+        if pa.types.is_floating(a.type):
+            if not np.allclose(a.to_numpy(zero_copy_only=False), b.to_numpy(zero_copy_only=False), atol=atol, rtol=0,
+                               equal_nan=True):
+                return False
+        elif a != b:
+            return False
+    return True
+
+
 def test_ray_actors_train_the_same_weights_as_local_processes_and_upload_every_ranks_files(
-        ray_session, workdir, policies, advantages_files):
+        ray_session, workdir, policies, advantages_files, monkeypatch):
+    # One thread per rank in both launchers (a Ray actor with 1 CPU gets OMP_NUM_THREADS=1).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     local = two_updates(lambda spec: run_update(spec, timeout_s=TIMEOUT_S), out=workdir / "local",
                         policies=policies, advantages_files=advantages_files)
     results = []
@@ -94,7 +117,7 @@ def test_ray_actors_train_the_same_weights_as_local_processes_and_upload_every_r
     for local_out, ray_out in zip(local, on_ray):
         weights_local, weights_ray = load_weights(local_out / "policy"), load_weights(ray_out / "policy")
         assert max((weights_local[k] - weights_ray[k]).abs().max().item() for k in weights_local) <= 1e-6
-        assert pq.read_table(local_out / "logprobs.parquet").equals(pq.read_table(ray_out / "logprobs.parquet"))
+        assert same_logprobs(pq.read_table(local_out / "logprobs.parquet"), pq.read_table(ray_out / "logprobs.parquet"))
         assert sorted(p.relative_to(local_out).as_posix() for p in local_out.rglob("*") if p.is_file()) == \
             sorted(p.relative_to(ray_out).as_posix() for p in ray_out.rglob("*") if p.is_file())
     assert {Path(f.uri).name for f in results[0].uploaded} >= {"__0_0.distcp", "__1_0.distcp", ".metadata",
@@ -161,3 +184,15 @@ def test_auto_launches_on_ray_only_on_a_cluster_and_the_launcher_is_not_in_the_f
     (tmp_path / "p.yaml").write_text("name: t\nmodel: {path: m}\ndata: {train_files: [x]}\nupdate: {launcher: slurm}\n")
     with pytest.raises(ConfigError, match=r"update\.launcher"):
         load_pipeline(tmp_path / "p.yaml")
+
+
+def test_ranks_the_cluster_cannot_place_fail_with_what_was_asked_and_what_the_cluster_has(
+        ray_session, tmp_path, policies, monkeypatch):
+    from batchrl.trainer import ray_launch
+
+    monkeypatch.setattr(ray_launch, "PLACEMENT_TIMEOUT_S", 1.0)
+    spec = UpdateSpec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
+                      advantages_files=[str(tmp_path / "part-00000.parquet")], metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo")
+    with pytest.raises(RuntimeError, match=r"could not place 2 rank\(s\) of \{'CPU': 3.0\}(.|\n)*'CPU': 2.0"):
+        run_update_on_ray(spec, cpus_per_rank=3, timeout_s=TIMEOUT_S)
+    assert placement_groups_left() == []
