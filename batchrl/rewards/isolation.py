@@ -68,24 +68,41 @@ class IsolatedRewards:
         self._progress = mmap.mmap(fd, _PROGRESS.size)
 
     def evaluate(self, tasks: Sequence[SampleTask]) -> list[SampleResult]:
-        """(values, errors) per task, in order; hung or crashed calls become errors, never exceptions."""
+        """(values, errors) per task, in order; hung or crashed calls become errors, never exceptions.
+
+        Messages of SAMPLES_PER_MESSAGE samples; the parent pickles the next one while the child scores the
+        current one, and sends it once the child has returned every result (so neither end blocks on a full pipe
+        while the other writes)."""
         results: list[SampleResult | None] = [None] * len(tasks)
-        for start in range(0, len(tasks), SAMPLES_PER_MESSAGE):
-            self._evaluate_range(tasks, range(start, min(start + SAMPLES_PER_MESSAGE, len(tasks))), results)
+        chunks = [range(start, min(start + SAMPLES_PER_MESSAGE, len(tasks)))
+                  for start in range(0, len(tasks), SAMPLES_PER_MESSAGE)]
+        payload = _payload(tasks, chunks[0], {}) if chunks else b""
+        for k, indices in enumerate(chunks):
+            next_payload = self._evaluate_chunk(tasks, indices, payload, results,
+                                                prepare_next=chunks[k + 1] if k + 1 < len(chunks) else None)
+            payload = next_payload
         return results
 
-    def _evaluate_range(self, tasks: Sequence[SampleTask], indices: range, results: list) -> None:
+    def _evaluate_chunk(self, tasks: Sequence[SampleTask], indices: range, payload: bytes, results: list, *,
+                        prepare_next: range | None) -> bytes:
+        """Scores tasks[indices] (pickled in `payload`); returns the pickled next chunk, prepared while the child
+        works. A timed-out or crashed call is recorded, its child replaced, and the unfinished samples resent."""
         skips: dict[int, dict[int, str]] = {}
-        pending = list(indices)
+        pending, next_payload = list(indices), b""
         while pending:
             self._ensure_child()
-            self._conn.send([(i, *tasks[i], skips.get(i, {})) for i in pending])
+            self._conn.send_bytes(payload)
+            if prepare_next is not None and not next_payload:
+                next_payload = _payload(tasks, prepare_next, {})
             failed_call = self._collect(results, pending)
             if failed_call is not None:
                 (sample, term), error = failed_call
                 name = self.term_names_for(tasks[sample][2]["data_source"])[term]  # [2]: the group fields
                 skips.setdefault(sample, {})[term] = f"{name} {error}"
             pending = [i for i in pending if results[i] is None]
+            if pending:
+                payload = _payload(tasks, pending, skips)
+        return next_payload
 
     def _collect(self, results: list, pending: list[int]) -> tuple[tuple[int, int], str] | None:
         """Receives results until all pending samples have one (None), or a call failed ((sample, term), why)."""
@@ -180,11 +197,19 @@ class _Duplex:
         return self._reader.recv()
 
     def send(self, obj: Any) -> None:
-        self._writer.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        self.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_bytes(self, payload: bytes) -> None:
+        self._writer.send_bytes(payload)
 
     def close(self) -> None:
         self._reader.close()
         self._writer.close()
+
+
+def _payload(tasks: Sequence[SampleTask], indices: Sequence[int], skips: Mapping[int, dict[int, str]]) -> bytes:
+    """The pickled message for the child: (index, *task, term index -> preset error) per sample."""
+    return pickle.dumps([(i, *tasks[i], skips.get(i, {})) for i in indices], protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _shm_dir() -> str | None:

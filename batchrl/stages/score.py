@@ -84,7 +84,8 @@ class ScoreWorker(ShardWorker):
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         with gc_paused():
             tasks, row_of_sample_S = sample_tasks(table)
-        names_P = [self.term_names_for(ds) for ds in table.column("data_source").to_pylist()]
+        names_of = {ds: self.term_names_for(ds) for ds in table.column("data_source").unique().to_pylist()}
+        names_P = [names_of[ds] for ds in table.column("data_source").to_pylist()]
         weights_K = self.rule_weights()
         num_truncated = 0
         if self.reward_model is None:

@@ -96,7 +96,12 @@ def test_a_reward_that_never_returns_times_out_and_the_other_components_still_sc
     assert score_stats(counts)["critic/rewards/gsm8k/mean"] == 0.5
 
 
-def test_after_a_hung_call_the_next_samples_are_scored_by_a_fresh_reward_process():
+@pytest.mark.parametrize("samples_per_message", [4096, 2])
+def test_after_a_hung_call_the_next_samples_are_scored_by_a_fresh_reward_process(samples_per_message, monkeypatch):
+    from batchrl.rewards import isolation
+
+    # 2: five messages, the next one pickled while the child scores; hangs in the first, middle and last message.
+    monkeypatch.setattr(isolation, "SAMPLES_PER_MESSAGE", samples_per_message)
     groups = [{"prompt_id": f"p{i}", "truth": "1", "responses": ["a", "bb", "ccc"]} for i in range(3)]
     worker = ScoreWorker(terms=[("custom_rewards:hangs_on_second_sample", 1.0)], by_data_source={},
                          failure_reward=-1.0, timeout_s=0.5)
@@ -108,6 +113,22 @@ def test_after_a_hung_call_the_next_samples_are_scored_by_a_fresh_reward_process
     assert column(out, "scores") == [[1.0, -1.0, 3.0]] * 3  # sample 1 of every group busy-loops
     assert column(out, "score_errors") == [[None, "hangs_on_second_sample timed out after 0.5s", None]] * 3
     assert counts["failed_samples"] == 3 and num_starts == 4  # the first start, then one per timeout
+
+
+def test_samples_spread_over_many_messages_come_back_in_order():
+    from batchrl.rewards import isolation
+
+    groups = [{"prompt_id": f"p{i}", "truth": str(i), "responses": [f"#### {i}", f"#### {i + 1}", "x" * i]}
+              for i in range(7)]
+    table = rollouts(groups)
+    expected, _ = score(table, terms=[("gsm8k", 1.0), ("custom_rewards:length_bonus", 0.5)], timeout_s=None)
+    original = isolation.SAMPLES_PER_MESSAGE
+    try:
+        isolation.SAMPLES_PER_MESSAGE = 4  # 21 samples: six messages, the last one short
+        out, counts = score(table, terms=[("gsm8k", 1.0), ("custom_rewards:length_bonus", 0.5)], timeout_s=5.0)
+    finally:
+        isolation.SAMPLES_PER_MESSAGE = original
+    assert out.equals(expected) and counts["failed_samples"] == 0
 
 
 def test_a_reward_that_kills_its_process_fails_only_that_sample():
