@@ -232,6 +232,7 @@ class Runner:
         return self.summary
 
     def _run_stages(self) -> None:
+        self.check_cluster_paths()
         self._clear_forced()
         prompts = self.stage("ingest")
         if prompts is None:
@@ -295,6 +296,35 @@ class Runner:
             check = getattr(STAGES[name](), "check_inputs", None)
             if check is not None:
                 check(self.cfg)
+
+    def check_cluster_paths(self) -> None:
+        """On a Ray cluster of several nodes, the local paths the run writes (the run directory) or reads (model,
+        data, reward model) must be the same on every node (a shared mount); asked of each node before any work."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        from batchrl.storage import is_local
+        from batchrl.storage.cluster import alive_nodes, describe, unshared_paths
+
+        num_nodes = len(alive_nodes())
+        if num_nodes <= 1:
+            return
+        cfg = self.cfg
+        named_reads = [("model.path", cfg.model.path)] + [("data.train_files", f) for f in cfg.data.train_files]
+        if cfg.evaluate is not None:
+            named_reads += [("evaluate.files", f) for f in cfg.evaluate.files]
+        if cfg.score.reward_model is not None:
+            named_reads.append(("score.reward_model.path", cfg.score.reward_model.path))
+        reads = {uri.removeprefix("file://"): name for name, uri in named_reads
+                 if is_local(uri) and os.path.exists(uri.removeprefix("file://"))}
+        writes = {self.layout.run_dir.removeprefix("file://"): "run.root"} if is_local(self.layout.run_dir) else {}
+        unshared = unshared_paths(writes, reads)
+        if unshared:
+            raise ConfigError(
+                f"the run is connected to a Ray cluster of {num_nodes} nodes, but {describe(unshared, writes | reads)}"
+                ": actors on those nodes would read or write another directory than the driver. Put these on object "
+                "storage (s3://...) or on a filesystem mounted at the same path on every node")
 
     def preflight(self, prompts: Manifest) -> None:
         data_sources = sorted(k.split("/", 1)[1] for k in prompts.counts if k.startswith("data_source/"))

@@ -19,9 +19,9 @@ by the driver:
   Each actor has a scratch directory of its own, so "what this rank wrote" is simply all of it. The uploads come
   back as (uri, sha256, size), so the caller can list them in a manifest without reading them back;
   `metrics_path` is written by the driver.
-A local run directory is refused on a cluster of more than one alive node: the ranks on other nodes could not
-read it, and rank 0's uploads would land on whichever node it ran on. A filesystem mounted at the same path on
-every node cannot be told apart from a node-local one, so multi-node updates need object storage.
+On a cluster of more than one alive node, a local path is accepted only when every node sees it as the driver
+does (a filesystem mounted at the same path everywhere; `batchrl.storage.cluster` asks each node); otherwise the
+ranks on other nodes could not read it, and rank 0's uploads would land on whichever node it ran on.
 
 Departures from `launch.run_update`: one-shot actors only (no resident ranks: a Ray actor holding a model between
 updates would hold its bundle's CPUs/GPU too); no progress records (`on_progress` is ignored: rank 0's progress
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file, write_bytes_atomic
+from batchrl.storage.cluster import Probe, describe, unshared_paths
 from batchrl.trainer.spec import UpdateSpec
 
 logger = logging.getLogger(__name__)
@@ -105,24 +106,30 @@ def run_update_on_ray(
     return RayUpdateResult(metrics=metrics, uploaded=[f for r in results for f in r["uploaded"]])
 
 
-def check_reachable_from_all_nodes(spec: UpdateSpec, *, num_nodes: int) -> None:
-    """On a cluster of several nodes, every input and output must be on object storage (see module docstring).
+def check_reachable_from_all_nodes(spec: UpdateSpec, *, num_nodes: int, probe: Probe | None = None) -> None:
+    """On a cluster of several nodes, every local input and output must be the same on every node: a shared mount
+    (asked of each node by `cluster.unshared_paths`, or `probe`), else object storage (see module docstring).
 
     A policy that is not a local directory on the driver (a hub id) is fine: every node downloads it itself."""
     if num_nodes <= 1:
         return
-    uris = {"policy_out": spec.policy_out,
-            "advantages_files": next((uri for uri in spec.advantages_files if is_local(uri)), None),
-            "trainer_state_in": spec.trainer_state_in, "trainer_state_out": spec.trainer_state_out,
-            "logprobs_out": spec.logprobs_out, "policy_in": spec.policy_in, "reference_policy": spec.reference_policy}
-    local = {name: uri for name, uri in uris.items() if uri is not None and is_local(uri)
-             and (name not in ("policy_in", "reference_policy") or os.path.exists(uri.removeprefix("file://")))}
-    if local:
-        named = ", ".join(f"{name}={uri}" for name, uri in local.items())
+    writes = {uri: name for name, uri in (("policy_out", spec.policy_out), ("trainer_state_out", spec.trainer_state_out),
+                                          ("logprobs_out", spec.logprobs_out)) if uri is not None and is_local(uri)}
+    reads = {uri: name for name, uri in (("policy_in", spec.policy_in), ("reference_policy", spec.reference_policy))
+             if uri is not None and is_local(uri) and os.path.exists(uri.removeprefix("file://"))}
+    reads |= {uri: name for name, uri in [("trainer_state_in", spec.trainer_state_in)] +
+              [("advantages_files", uri) for uri in spec.advantages_files] if uri is not None and is_local(uri)}
+    if not writes and not reads:
+        return
+    unshared = (probe or unshared_paths)([u.removeprefix("file://") for u in writes],
+                                         [u.removeprefix("file://") for u in reads])
+    if unshared:
+        names = {uri.removeprefix("file://"): name for uri, name in (writes | reads).items()}
         raise ValueError(
-            f"the update runs on a Ray cluster of {num_nodes} nodes, but {named} is a local path, which ranks on "
-            "other nodes cannot read or write. Put run.root (and a local model.path) on object storage (s3://...), "
-            "or set update.launcher: local to run the update on the driver's host"
+            f"the update runs on a Ray cluster of {num_nodes} nodes, but {describe(unshared, names)}: ranks on those "
+            "nodes cannot read or write it. Put run.root (and a local model.path) on object storage (s3://...) or on "
+            "a filesystem mounted at the same path on every node, or set update.launcher: local to run the update "
+            "on the driver's host"
         )
 
 

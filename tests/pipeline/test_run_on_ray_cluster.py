@@ -96,3 +96,34 @@ def test_run_on_a_ray_cluster_updates_with_ray_actors_that_write_the_policy_to_o
     plan = batchrl("plan", str(path), env=s3_env)
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.count("skip (complete)") == 1 + 4 * ITERATIONS
+
+
+@pytest.fixture
+def two_node_cluster(monkeypatch) -> dict[str, str]:
+    """Two Ray nodes on this machine (ray.cluster_utils.Cluster), 2 CPUs each: a cluster of several nodes whose
+    local filesystem is, trivially, shared. The nodes' workers see the test reward module."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(REPO / "tests" / "stages"), os.environ.get("PYTHONPATH")])))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    yield {"RAY_ADDRESS": cluster.address}
+    cluster.shutdown()
+
+
+def test_run_on_two_nodes_with_a_shared_local_run_directory(tmp_path, toy_model_dir, toy_prompts_dir,
+                                                            two_node_cluster):
+    path = pipeline_file(tmp_path, toy_model_dir=toy_model_dir, train_files=[toy_prompts_dir],
+                         root=str(tmp_path / "runs"),
+                         generate={"engine": "hf", "num_samples_per_prompt": SAMPLES, "max_new_tokens": 12})
+
+    result = batchrl("run", str(path), env=two_node_cluster)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_run(str(tmp_path / "runs" / "e2e"))
+    assert result.stderr.count("on 2 Ray worker(s)") == ITERATIONS  # the update ran as Ray actors, not refused
+    assert not any(p.name.startswith(".batchrl-shared-probe-") for p in tmp_path.rglob("*"))
