@@ -183,6 +183,10 @@ class AdvantageConfig(_Strict):
         "k1", description="Per-token KL estimator folded into the reward (verl's kl_penalty; k1 = logp - ref_logp).")
     kl_in_reward_max_tokens: int = Field(8192, ge=1, description="Padded-token budget of one reference forward "
                                          "micro-batch when kl_in_reward_coef > 0.")
+    kl_in_reward_share_prompt: bool = Field(False, description="The reference forward computes each prompt once per "
+                                            "row for several of its samples (as update.share_prompt: same log-probs "
+                                            "up to float rounding, fewer tokens when prompts are long relative to "
+                                            "responses). Needs the sdpa or eager attention. Not in the fingerprint.")
 
     @model_validator(mode="after")
     def _check_options(self) -> "AdvantageConfig":

@@ -66,7 +66,7 @@ def shard_groups(table: pa.Table, *, filter_groups: bool) -> ShardGroups:
 class RewardKL:
     """Summed per-token KL(behaviour || reference) of every sample of a group table, [P, n]."""
 
-    def __init__(self, reference_path: str, *, estimator: str, max_tokens: int):
+    def __init__(self, reference_path: str, *, estimator: str, max_tokens: int, share_prompt: bool = False):
         from transformers import AutoTokenizer
 
         from batchrl.storage import local_copy
@@ -76,7 +76,7 @@ class RewardKL:
         self.model = load_frozen_model(local)
         tokenizer = AutoTokenizer.from_pretrained(local)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.estimator, self.max_tokens = estimator, max_tokens
+        self.estimator, self.max_tokens, self.share_prompt = estimator, max_tokens, share_prompt
 
     def __call__(self, groups: ShardGroups) -> np.ndarray:
         import torch
@@ -92,7 +92,8 @@ class RewardKL:
         if len(behaviour) != int(samples.response_offsets_N1[-1]):
             raise DataError("kl_in_reward needs the rollouts' per-token log-probs, and some are missing or of "
                             "another length than their responses")
-        reference = response_logprobs(self.model, samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens)
+        reference = response_logprobs(self.model, samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens,
+                                      share_prompt=self.share_prompt)
         kl_flat = kl_penalty(torch.from_numpy(behaviour)[None], torch.from_numpy(reference)[None],
                              estimator=self.estimator)[0].double().numpy()
         # Per-sample sums; samples keep explode_groups' row-major [P, n] order, and empty responses sum to 0.
@@ -154,7 +155,8 @@ def reward_kl_for(cfg: AdvantageConfig, reference_path: str | None) -> RewardKL 
         return None
     if reference_path is None:
         raise AssertionError("advantage.kl_in_reward_coef > 0 needs the reference model path")
-    return RewardKL(reference_path, estimator=cfg.kl_in_reward_estimator, max_tokens=cfg.kl_in_reward_max_tokens)
+    return RewardKL(reference_path, estimator=cfg.kl_in_reward_estimator, max_tokens=cfg.kl_in_reward_max_tokens,
+                    share_prompt=cfg.kl_in_reward_share_prompt)
 
 
 def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: np.ndarray | None = None) -> pa.Table:
@@ -210,7 +212,9 @@ class AdvantageStage:
     per_iteration = True
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        config: dict[str, Any] = {"advantage": cfg.advantage.model_dump(exclude_defaults=True)}
+        # share_prompt changes how the reference forward is batched, not what it computes (up to float rounding)
+        config: dict[str, Any] = {"advantage": cfg.advantage.model_dump(exclude_defaults=True,
+                                                                        exclude={"kl_in_reward_share_prompt"})}
         if cfg.advantage.kl_in_reward_coef > 0:
             config["reference"] = cfg.model.path
         return config

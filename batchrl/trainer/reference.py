@@ -3,7 +3,8 @@
 Used where a stage outside the update needs a reference model's view of the rollouts: the advantage stage
 folding KL into the reward (advantage.kl_in_reward_coef) needs reference log-probs *before* advantages exist,
 so they cannot come from the update's own pre-update pass. Same micro-batching (token budget, longest first),
-same padding and the same log-prob gather as the trainer, so a token's value equals the trainer's.
+same padding, the same log-prob gather and, with `share_prompt`, the same packing of a prompt's samples into one
+row (`batching.prompt_packs`) as the trainer, so a token's value equals the trainer's.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchrl.trainer.batching import plan_micro_batches
-from batchrl.trainer.data import Samples, collate, scatter_response_values
+from batchrl.trainer.batching import plan_micro_batches, prompt_packs
+from batchrl.trainer.data import Samples, collate_packs, scatter_response_values
 
 
 def load_frozen_model(path: str) -> torch.nn.Module:
@@ -24,19 +25,28 @@ def load_frozen_model(path: str) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def response_logprobs(model: torch.nn.Module, samples: Samples, *, pad_token_id: int,
-                      max_tokens: int = 8192) -> np.ndarray:
-    """Flat float32 array (samples.response_offsets_N1 layout): log p(token) of every response token."""
+def response_logprobs(model: torch.nn.Module, samples: Samples, *, pad_token_id: int, max_tokens: int = 8192,
+                      share_prompt: bool = False) -> np.ndarray:
+    """Flat float32 array (samples.response_offsets_N1 layout): log p(token) of every response token.
+
+    `share_prompt`: a row holds a prompt once, then several of its samples' responses (up to `max_tokens`)."""
     from batchrl.trainer.worker import policy_logprobs
 
     out_flat = torch.zeros(int(samples.response_offsets_N1[-1]), dtype=torch.float32)
     if samples.num_samples == 0:
         return out_flat.numpy()
     budget = max(max_tokens, int(samples.lengths_N.max()))
-    for indices in plan_micro_batches(samples.lengths_N, world_size=1, max_tokens=budget)[0]:
-        if not indices:
+    indices = range(samples.num_samples)
+    if share_prompt:
+        packs = prompt_packs(indices, prompt_key_N=samples.prompt_key_N, prompt_lengths_N=samples.prompt_lengths_N,
+                             response_lengths_N=samples.response_lengths_N, max_tokens=budget)
+    else:
+        packs = [[i] for i in indices]
+    lengths = [int(samples.prompt_lengths_N[pack[0]] + samples.response_lengths_N[pack].sum()) for pack in packs]
+    for chunk in plan_micro_batches(lengths, world_size=1, max_tokens=budget)[0]:
+        if not chunk:
             continue
-        mb = collate(samples, indices, pad_token_id=pad_token_id, device=torch.device("cpu"))
-        logprobs_BT, _ = policy_logprobs(model, mb, entropy_grad=False)
-        scatter_response_values(logprobs_BT, mb, samples, out_flat=out_flat)
+        mb = collate_packs(samples, [packs[j] for j in chunk], pad_token_id=pad_token_id, device=torch.device("cpu"))
+        logprobs_SR, _ = policy_logprobs(model, mb, entropy_grad=False)
+        scatter_response_values(logprobs_SR, mb, samples, out_flat=out_flat)
     return out_flat.numpy()

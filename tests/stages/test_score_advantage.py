@@ -183,3 +183,62 @@ def test_kl_in_reward_is_zero_when_the_rollout_logprobs_are_the_references_own(t
     np.testing.assert_allclose(out.column("reward_kl").to_numpy(), 0.0, atol=1e-5)
     np.testing.assert_allclose(out.column("advantage").to_numpy(), plain.column("advantage").to_numpy(), atol=1e-4)
     assert plain.column("reward_kl").null_count == 3  # off: null, not 0
+
+
+@pytest.mark.parametrize("share_prompt, max_tokens", [(False, 8192), (True, 8192), (True, 14)])
+def test_reference_logprobs_equal_one_unbatched_forward_per_sample_with_or_without_shared_prompts(
+        toy_model_dir, share_prompt, max_tokens, monkeypatch):
+    """Two prompts of different lengths, 3 samples each; with share_prompt a row holds a prompt once and then its
+    samples' responses (all of them, or, with a 14-token budget, packs cut by it: 4 + 2 + 5 + 3, then 7 + 2 + 5 and
+    7 + 3)."""
+    from batchrl.stages.advantage import explode_groups
+    from batchrl.trainer import reference
+    from batchrl.trainer.data import samples_from_table
+
+    rng = np.random.default_rng(0)
+    prompts = [[5, 9, 11, 4], [7, 8, 12, 13, 6, 10, 3]]
+    prompt_ids, responses = [], []
+    for prompt in prompts:
+        for length in (2, 5, 3):
+            prompt_ids.append(prompt)
+            responses.append(rng.integers(3, 40, length).tolist())
+    rows = []
+    for g, prompt in enumerate(prompts):
+        group = responses[3 * g:3 * g + 3]
+        rows.append({"prompt_id": f"p{g}", "data_source": "arith", "messages_json": "[]", "prompt_text": "q",
+                     "prompt_token_ids": prompt, "ground_truth": "1", "extra_info_json": None, "source_file": "f",
+                     "source_row": g, "response_texts": ["x"] * 3, "response_token_ids": group,
+                     "response_logprobs": [[-0.5] * len(r) for r in group], "finish_reasons": ["stop"] * 3,
+                     "response_lengths": [len(r) for r in group], "sample_seeds": [0, 1, 2], "policy_version": 0,
+                     "scores": [1.0, 0.0, 1.0], "score_errors": [None] * 3,
+                     "reward_values": [[1.0], [0.0], [1.0]], "reward_names": ["r"], "reward_weights": [1.0]})
+    groups = shard_groups(conform(pa.Table.from_pylist(rows), "scores"), filter_groups=False)
+    samples = samples_from_table(explode_groups(groups.table, np.zeros_like(groups.rewards_PG)))
+    rows_per_micro_batch = []
+    collate_packs = reference.collate_packs
+    monkeypatch.setattr(reference, "collate_packs",
+                        lambda s, packs, **kw: rows_per_micro_batch.append([len(p) for p in packs])
+                        or collate_packs(s, packs, **kw))
+
+    model = reference.load_frozen_model(toy_model_dir)
+    flat = reference.response_logprobs(model, samples, pad_token_id=0, max_tokens=max_tokens,
+                                       share_prompt=share_prompt)
+
+    expected = np.concatenate([reference_logprobs_by_hand(toy_model_dir, p, r) for p, r in zip(prompt_ids, responses)])
+    np.testing.assert_allclose(flat, expected, atol=1e-5)
+    pack_sizes = sorted(size for sizes in rows_per_micro_batch for size in sizes)
+    assert pack_sizes == {(False, 8192): [1] * 6, (True, 8192): [3, 3], (True, 14): [1, 2, 3]}[
+        (share_prompt, max_tokens)]
+
+
+def test_sharing_prompts_in_the_reference_pass_is_not_in_the_advantage_fingerprint_but_the_kl_settings_are():
+    from batchrl.config.models import PipelineConfig
+    from batchrl.stages.advantage import AdvantageStage
+
+    def fingerprint(**advantage):
+        cfg = PipelineConfig(name="t", model={"path": "m"}, data={"train_files": ["x.parquet"]}, advantage=advantage)
+        return AdvantageStage().fingerprint_config(cfg)
+
+    kl = {"kl_in_reward_coef": 0.1}
+    assert fingerprint(**kl, kl_in_reward_share_prompt=True) == fingerprint(**kl)
+    assert fingerprint(**kl, kl_in_reward_max_tokens=64) != fingerprint(**kl) != fingerprint()
