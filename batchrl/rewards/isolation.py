@@ -78,9 +78,8 @@ class IsolatedRewards:
                   for start in range(0, len(tasks), SAMPLES_PER_MESSAGE)]
         payload = _payload(tasks, chunks[0], {}) if chunks else b""
         for k, indices in enumerate(chunks):
-            next_payload = self._evaluate_chunk(tasks, indices, payload, results,
-                                                prepare_next=chunks[k + 1] if k + 1 < len(chunks) else None)
-            payload = next_payload
+            payload = self._evaluate_chunk(tasks, indices, payload, results,
+                                           prepare_next=chunks[k + 1] if k + 1 < len(chunks) else None)
         return results
 
     def _evaluate_chunk(self, tasks: Sequence[SampleTask], indices: range, payload: bytes, results: list, *,

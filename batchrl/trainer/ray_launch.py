@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file, write_bytes_atomic
-from batchrl.storage.cluster import Probe, describe, unshared_paths
+from batchrl.storage.cluster import Probe, alive_nodes, describe, unshared_paths
 from batchrl.trainer.spec import UpdateSpec
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def run_update_on_ray(
     if on_progress is not None:
         logger.debug("update on Ray: no progress records (rank 0's progress file would be on its own node)")
     spec = dataclasses.replace(spec, backend=_cluster_backend(spec.backend), progress_path=None)
-    check_reachable_from_all_nodes(spec, num_nodes=sum(1 for node in ray.nodes() if node["Alive"]))
+    check_reachable_from_all_nodes(spec, num_nodes=len(alive_nodes()))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     bundle = {"CPU": float(cpus_per_rank)} | ({"GPU": 1.0} if spec.backend == "nccl" else {})
     started = time.perf_counter()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchrl.trainer.batching import plan_micro_batches, prompt_packs
 from batchrl.trainer.data import Samples, collate_packs, scatter_response_values
 
 
@@ -30,23 +29,17 @@ def response_logprobs(model: torch.nn.Module, samples: Samples, *, pad_token_id:
     """Flat float32 array (samples.response_offsets_N1 layout): log p(token) of every response token.
 
     `share_prompt`: a row holds a prompt once, then several of its samples' responses (up to `max_tokens`)."""
-    from batchrl.trainer.worker import policy_logprobs
+    from batchrl.trainer.worker import pack_plan, policy_logprobs
 
     out_flat = torch.zeros(int(samples.response_offsets_N1[-1]), dtype=torch.float32)
     if samples.num_samples == 0:
         return out_flat.numpy()
     budget = max(max_tokens, int(samples.lengths_N.max()))
-    indices = range(samples.num_samples)
-    if share_prompt:
-        packs = prompt_packs(indices, prompt_key_N=samples.prompt_key_N, prompt_lengths_N=samples.prompt_lengths_N,
-                             response_lengths_N=samples.response_lengths_N, max_tokens=budget)
-    else:
-        packs = [[i] for i in indices]
-    lengths = [int(samples.prompt_lengths_N[pack[0]] + samples.response_lengths_N[pack].sum()) for pack in packs]
-    for chunk in plan_micro_batches(lengths, world_size=1, max_tokens=budget)[0]:
-        if not chunk:
+    plan = pack_plan(samples, range(samples.num_samples), share_prompt=share_prompt, world_size=1, max_tokens=budget)
+    for packs in plan[0]:
+        if not packs:
             continue
-        mb = collate_packs(samples, [packs[j] for j in chunk], pad_token_id=pad_token_id, device=torch.device("cpu"))
+        mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=torch.device("cpu"))
         logprobs_SR, _ = policy_logprobs(model, mb, entropy_grad=False)
         scatter_response_values(logprobs_SR, mb, samples, out_flat=out_flat)
     return out_flat.numpy()

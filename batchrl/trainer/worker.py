@@ -198,13 +198,23 @@ def micro_batch_plan(
 ) -> list[list[list[list[int]]]]:
     """plan[rank][k] = the packs (sample indices sharing a row, see `data.collate_packs`) of rank's k-th
     micro-batch of the samples `indices`. Without spec.share_prompt every pack is one sample."""
-    if spec.share_prompt:
+    return pack_plan(samples, indices, share_prompt=spec.share_prompt, world_size=world_size,
+                     **micro_batch_budget(spec))
+
+
+def pack_plan(
+    samples: Samples, indices: Sequence[int], *, share_prompt: bool, world_size: int, max_tokens: int | None = None,
+    max_samples: int | None = None,
+) -> list[list[list[list[int]]]]:
+    """`micro_batch_plan` without a spec: packs (with share_prompt, filled up to max_tokens) planned into
+    micro-batches by `batching.plan_micro_batches` with the budget given."""
+    if share_prompt:
         packs = prompt_packs(indices, prompt_key_N=samples.prompt_key_N, prompt_lengths_N=samples.prompt_lengths_N,
-                             response_lengths_N=samples.response_lengths_N, max_tokens=spec.max_tokens_per_micro_batch)
+                             response_lengths_N=samples.response_lengths_N, max_tokens=max_tokens)
     else:
         packs = [[int(i)] for i in indices]
     lengths = [int(samples.prompt_lengths_N[pack[0]] + samples.response_lengths_N[pack].sum()) for pack in packs]
-    plan = plan_micro_batches(lengths, world_size=world_size, **micro_batch_budget(spec))
+    plan = plan_micro_batches(lengths, world_size=world_size, max_tokens=max_tokens, max_samples=max_samples)
     return [[[packs[j] for j in chunk] for chunk in micro_batches] for micro_batches in plan]
 
 
