@@ -107,6 +107,6 @@ def _observe(targets: list[tuple[str, str]]) -> list[Any]:
 
 
 def describe(unshared: dict[str, list[str]], names: dict[str, str]) -> str:
-    """"field=path (not seen by 10.0.0.2)" for each unshared path; `names`: path -> the config field naming it."""
+    """"field=path (not the same on node 10.0.0.2)" per unshared path; `names`: path -> the config field naming it."""
     return ", ".join(f"{names.get(path, path)}={path} (not the same on node {', '.join(ips)})"
                      for path, ips in unshared.items())
