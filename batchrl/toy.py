@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -504,13 +506,60 @@ def _claim_dir(path: Path, is_built: Any, complaint: str) -> bool:
     return True
 
 
+# Threads of the toy build. Fixed, so that the SFT's float sums do not depend on the machine's core count.
+TOY_BUILD_THREADS = 2
+
+
+def reproducible_env() -> dict[str, str]:
+    """Environment for the process that builds the toy model: the same floats on any x86-64 CPU with AVX2.
+
+    Why: the SFT warm start is 1,200 AdamW steps, and a difference in the last bit of one matmul grows into
+    another initial policy (a fresh clone's held-out mean@8 was 0.092 on one machine, 0.148 on another). Its
+    arithmetic depends on the kernels torch picks for the CPU: ATen's own (AVX2 or AVX-512 builds of softmax,
+    norms, activations) and MKL's GEMMs. ATEN_CPU_CAPABILITY=avx2 and MKL_CBWR=AVX2,STRICT make an AVX-512 CPU
+    run the AVX2 code paths, bit for bit, at any thread count. CPUs without AVX2 (and ARM) keep their own kernels.
+    """
+    env = {"OMP_NUM_THREADS": str(TOY_BUILD_THREADS), "MKL_NUM_THREADS": str(TOY_BUILD_THREADS)}
+    if _cpu_has_avx2():
+        env |= {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
+    return env
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        return any(line.startswith("flags") and " avx2" in line for line in open("/proc/cpuinfo"))
+    except OSError:
+        return False
+
+
 def _build_model_dir(tmp_dir: Path, seed: int, sft_steps: int, sft_format_share: float, max_operand: int) -> None:
+    """Builds the model in a child process with `reproducible_env` (torch reads it when first imported)."""
+    args = json.dumps({"tmp_dir": str(tmp_dir), "seed": seed, "sft_steps": sft_steps,
+                       "sft_format_share": sft_format_share, "max_operand": max_operand})
+    code = "import sys; from batchrl.toy import build_model_dir_here; build_model_dir_here(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, args], env={**os.environ, **reproducible_env()},
+                          stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(done.stderr)  # the child's log lines, in batchrl's format
+    if done.returncode != 0:
+        raise RuntimeError(f"building the toy model in {tmp_dir} failed (exit {done.returncode}): "
+                           f"{done.stderr.strip().splitlines()[-1:] or ['no output']}")
+
+
+def build_model_dir_here(args_json: str) -> None:
+    """The toy build, in this process (the child `_build_model_dir` starts): model, SFT, marker file."""
+    import torch
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(TOY_BUILD_THREADS)
+    args = json.loads(args_json)
+    tmp_dir, seed, sft_steps = Path(args["tmp_dir"]), args["seed"], args["sft_steps"]
     build_toy_model(tmp_dir, seed=seed)
-    marker: dict[str, Any] = {"seed": seed, "sft_steps": sft_steps, "sft_format_share": sft_format_share,
-                              "max_operand": max_operand}
+    marker: dict[str, Any] = {"seed": seed, "sft_steps": sft_steps, "sft_format_share": args["sft_format_share"],
+                              "max_operand": args["max_operand"], "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if sft_steps:
-        marker |= sft_warm_start(tmp_dir, num_steps=sft_steps, max_operand=max_operand, format_share=sft_format_share,
-                                 seed=seed)
+        marker |= sft_warm_start(tmp_dir, num_steps=sft_steps, max_operand=args["max_operand"],
+                                 format_share=args["sft_format_share"], seed=seed)
     (tmp_dir / "_TOY_MODEL.json").write_text(json.dumps(marker))
 
 

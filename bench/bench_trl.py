@@ -53,10 +53,15 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 REPO = Path(__file__).resolve().parents[1]
 
 
+# TRL's GRPOTrainer has no dual-clip PPO; batchrl applies it by default (as verl does), so it is switched off
+# for the comparison.
+SAME_ARITHMETIC = ["update.dual_clip_ratio=null"]
+
+
 def load_config(pipeline: str, root: str, iterations: int | None):
     from batchrl.config import load_pipeline
 
-    overrides = [f"run.root={root}"] + ([f"run.iterations={iterations}"] if iterations else [])
+    overrides = [f"run.root={root}", *SAME_ARITHMETIC] + ([f"run.iterations={iterations}"] if iterations else [])
     return load_pipeline(REPO / pipeline, overrides=overrides)
 
 
@@ -74,7 +79,8 @@ def run_batchrl(pipeline: str, root: str, iterations: int) -> tuple[float, list[
     """
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "batchrl.cli", "run", str(REPO / pipeline), "--run-id", "batchrl",
-                    "--set", f"run.root={root}", "--set", f"run.iterations={iterations}", "--set", "evaluate=null"],
+                    "--set", f"run.root={root}", "--set", f"run.iterations={iterations}", "--set", "evaluate=null",
+                    *(arg for o in SAME_ARITHMETIC for arg in ("--set", o))],
                    check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - started
     run_dir = Path(root) / "batchrl"

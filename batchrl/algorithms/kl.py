@@ -20,9 +20,12 @@ Two ways to use them (issue 4):
   score before advantages (verl's use_kl_in_reward, k1 by default, with the behaviour policy's
   log-probs). Summing k1 gives an estimate of the sequence-level KL(policy || ref).
 
-Semantics follow verl's core_algos.kl_penalty. Departures: verl treats "k3" and "low_var_kl" as the same
-(both clamped to [-10, 10]); here "k3" is unclamped (apart from the [-20, 20] log-ratio clamp that every
-estimator applies before exp) and "low_var_kl" is verl's clamped one. verl folds the KL per token into
+Semantics follow verl's core_algos.kl_penalty (checked against verl 0.9.1): "k3" and "low_var_kl" are the same
+estimator, the log ratio clamped to [-20, 20] before exp and the value to [-10, 10]. Why clamp k3, which biases
+it: k3 grows as exp(log p_ref - log p), so one token of a stale or off-policy batch (log p = -15 against
+log p_ref = -0.1) is worth 2.96e6 nats, which as a reward penalty swamps every score of the batch and as a loss
+term yields a gradient of the same size (d k3 / d log p = 1 - p_ref / p). Clamped, such a token contributes 10
+and no gradient; a token within e^2.4 of the reference (k3 < 10) is untouched. verl folds the KL per token into
 token-level rewards; with outcome rewards every estimator here (GRPO, RLOO, ...) first sums the token
 rewards of a sequence, so folding the summed KL per sequence gives the same advantages.
 """
@@ -38,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "mse", "k1+", "k3+", "low_var_kl+")
 LOG_RATIO_CLAMP = 20.0  # as in losses.py: exp of the log ratio stays finite in float32
-LOW_VAR_KL_CLAMP = 10.0  # verl's clamp of low_var_kl
+LOW_VAR_KL_CLAMP = 10.0  # verl's clamp of k3 / low_var_kl
 
 
 def _estimate(log_ratio_BT: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -52,9 +55,7 @@ def _estimate(log_ratio_BT: torch.Tensor, estimator: str) -> torch.Tensor:
     # k3 with log r = -log_ratio: r - 1 - log r
     ref_log_ratio_BT = (-log_ratio_BT).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     k3_BT = torch.exp(ref_log_ratio_BT) - ref_log_ratio_BT - 1.0
-    if estimator == "low_var_kl":
-        return k3_BT.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
-    return k3_BT
+    return k3_BT.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)  # "k3" and "low_var_kl" alike, as in verl
 
 
 def kl_penalty(
@@ -65,8 +66,8 @@ def kl_penalty(
 ) -> torch.Tensor:
     """Return per-token estimates of KL(policy || ref), [batch, tokens], unmasked (aggregate with a mask).
 
-    estimator: "k1" = logp - ref; "k2"/"mse" = 0.5 (logp - ref)^2; "k3" = exp(ref - logp) - (ref - logp) - 1;
-    "low_var_kl" = k3 clamped to [-10, 10] (verl); "abs" = |logp - ref|; "k1+", "k3+", "low_var_kl+" = the
+    estimator: "k1" = logp - ref; "k2"/"mse" = 0.5 (logp - ref)^2; "k3" = "low_var_kl" =
+    exp(ref - logp) - (ref - logp) - 1 clamped to [-10, 10] (verl); "abs" = |logp - ref|; "k1+", "k3+", "low_var_kl+" = the
     value of k1/k3/low_var_kl with the gradient of k2 (see the module docstring for why).
     Gradients flow to `logprobs_BT` only; the reference is a constant.
     """

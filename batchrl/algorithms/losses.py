@@ -29,8 +29,11 @@ Semantics follow verl (core_algos.compute_policy_loss_vanilla, agg_loss):
 - `approx_kl` is the mean of old - new log-probs (verl's `actor/ppo_kl`);
 - fully masked sequences do not count as sequences in the seq-mean modes;
 - GSPO and truncated IS follow `compute_policy_loss_gspo` and verl's token-level rollout correction.
-Departures: dual-clip PPO (https://arxiv.org/abs/1912.09729) is off unless `dual_clip_ratio` is given,
-whereas verl always applies it with 3.0; `aggregate_token_losses` returns the rank's share of the
+Dual-clip PPO (https://arxiv.org/abs/1912.09729) applies when `dual_clip_ratio` is given; the update config
+gives 3.0 by default, as verl always does. Why: for a negative advantage the clipped objective is unbounded in the
+ratio (min(r A, clip(r) A) = r A once r > 1 + eps), so a token whose probability grew r-fold since the rollout
+(several mini-batches into a stale batch) weighs r times; dual clip caps its loss at -3 A and stops its gradient.
+Departures: `aggregate_token_losses` returns the rank's share of the
 global loss rather than verl's share multiplied by dp_size (see its docstring); seq-mean-token-sum-norm
 divides by the number of sequences itself, where verl gets that factor from its micro-batch scaling;
 GSPO's log ratio is clamped to [-20, 20] like PPO's (verl: at most 10). Log-probabilities are at least

@@ -8,6 +8,7 @@ Loading reads only the pipeline and profile files; it never touches data, object
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from pathlib import Path
 from typing import Any
@@ -36,32 +37,63 @@ def load_pipeline(path: str | os.PathLike, *, overrides: list[str] = (), run_id:
     merged = deep_merge(merged, raw)
     if run_id is not None:
         merged.setdefault("run", {})["id"] = run_id
-    return validate_dict(merged, source=str(path))
+    set_by = {tuple(o.partition("=")[0].strip().split(".")): f"--set {o}" for o in overrides}
+    return validate_dict(merged, source=str(path), set_by=set_by)
 
 
-def validate_dict(raw: dict[str, Any], *, source: str = "<config>") -> PipelineConfig:
+def validate_dict(raw: dict[str, Any], *, source: str = "<config>",
+                  set_by: dict[tuple[str, ...], str] | None = None) -> PipelineConfig:
+    """``set_by``: field path -> the ``--set`` override that gave it, so its errors are blamed on the override."""
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source=source)) from None
+        raise ConfigError(format_validation_error(err, source=source, set_by=set_by or {})) from None
 
 
-def format_validation_error(err: ValidationError, *, source: str) -> str:
+def format_validation_error(err: ValidationError, *, source: str,
+                            set_by: dict[tuple[str, ...], str] | None = None) -> str:
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<top level>"
         kind = e["type"]
+        where = _error_source(tuple(str(p) for p in e["loc"]), source=source, set_by=set_by or {})
         if kind == "extra_forbidden":
-            lines.append(f"{source}: unknown field '{field}': remove it or check its spelling "
-                         f"(see `batchrl validate --help` / docs/CONFIG.md)")
+            lines.append(f"{where}: unknown field '{field}': remove it or check its spelling"
+                         f"{_did_you_mean(e['loc'])} (every field: docs/CONFIG.md)")
         elif kind == "missing":
-            lines.append(f"{source}: missing required field '{field}': add it to the pipeline file")
+            lines.append(f"{where}: missing required field '{field}': add it to the pipeline file")
         else:
             got = e.get("input")
             got_text = "" if isinstance(got, dict) else f" (got {got!r})"
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{source}: {field}: {msg}{got_text}" if field != "<top level>" else f"{source}: {msg}")
+            lines.append(f"{where}: {field}: {msg}{got_text}" if field != "<top level>" else f"{where}: {msg}")
     return "\n".join(lines)
+
+
+def _error_source(loc: tuple[str, ...], *, source: str, set_by: dict[tuple[str, ...], str]) -> str:
+    """The override that set the field at ``loc`` (or a section holding it), else ``source``; a section-level error
+    about a section an override changed names both."""
+    for key, override in set_by.items():
+        if loc[:len(key)] == key:
+            return override
+    within = [override for key, override in set_by.items() if key[:len(loc)] == loc and loc]
+    return f"{source} (with {', '.join(within)})" if within else source
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """'; did you mean 'temperature'?' for a misspelt field, from the fields of the section that holds it."""
+    model: Any = PipelineConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # an index into a list of sections: the list's item model is already in hand
+        field = getattr(model, "model_fields", {}).get(part)
+        annotation = getattr(field, "annotation", None)
+        model = next((a for a in (annotation, *getattr(annotation, "__args__", ())) if hasattr(a, "model_fields")),
+                     None)
+        if model is None:
+            return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -81,14 +113,28 @@ def _read_yaml(path: Path, *, what: str = "pipeline file") -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+        raise ConfigError(f"{path}{_yaml_problem(err)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (run:, model:, data:, ...)")
     return data
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """' line N: not valid YAML (...)', N being the line where the problem starts.
+
+    An unclosed bracket or quote is detected only where the parser runs into something else, often on a later
+    line (yaml's problem_mark); the line it was opened on (context_mark) is the one to fix. A block mapping's
+    context is merely where that mapping began, so there the problem's own line is the one to name.
+    """
+    context, problem = getattr(err, "context_mark", None), getattr(err, "problem_mark", None)
+    context_text = getattr(err, "context", None) or ""
+    what = getattr(err, "problem", None) or str(err).splitlines()[0]
+    if context is not None and not context_text.startswith("while parsing a block"):
+        seen = f" on line {problem.line + 1}" if problem is not None else ""
+        return f" line {context.line + 1}: not valid YAML ({context_text} started on this line: {what}{seen})"
+    return f" line {problem.line + 1}: not valid YAML ({what})" if problem else f": not valid YAML ({what})"
 
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:

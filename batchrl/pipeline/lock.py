@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 
+from batchrl.pipeline.interrupts import deferred
 from batchrl.storage import is_local, resolve, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,15 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> "RunLock":
+        try:
+            with deferred():  # a stop signal while the lock is being taken is raised once it is taken...
+                self._acquire()
+        except KeyboardInterrupt:
+            self.__exit__(None, None, None)  # ...and released here: the `with` body, whose exit would, never runs
+            raise
+        return self
+
+    def _acquire(self) -> None:
         holder = lock_holder(self.uri)
         if holder is not None:
             state = holder_state(holder)
@@ -66,9 +76,12 @@ class RunLock:
             write_bytes_atomic(self.uri, payload)
         self._thread = threading.Thread(target=self._beat, name="batchrl-lock-heartbeat", daemon=True)
         self._thread.start()
-        return self
 
     def __exit__(self, *exc) -> None:
+        with deferred():  # a stop signal must not leave the lock behind
+            self._release()
+
+    def _release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

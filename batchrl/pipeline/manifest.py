@@ -5,6 +5,17 @@ its fingerprint (hash of the stage's config and its upstream fingerprints), ever
 size and sha256, the output schema, timings, counters (rejects, failures), the code version and, for
 ingest, the input files read (``sources``: the watermark of incremental runs).
 
+Two more records protect what a stage reads from what it was made from:
+
+- ``inputs``: the content digest (`content_digest`) of every input the stage was made from, by table name
+  (``policy``: the input policy's manifest, or the lineage's fingerprint of the initial policy). A committed
+  stage whose recorded digest no longer matches its upstream's manifest was made from data that is gone and
+  is redone. None in manifests written before it was recorded.
+- ``trainer_state``: files a stage wrote that a later stage loads but that may be deleted on purpose (the
+  update's optimizer state, pruned by keep-last-K), with their sha256. They are verified before they are
+  loaded, but not checked by ``damaged_parts``: a pruned state must not make its stage damaged. None in
+  manifests written before it was recorded; [] when no state was saved.
+
 ``damaged_parts`` checks a committed table against its manifest: every part present with its recorded
 size (one listing; catches deleted and truncated parts), or, with ``checksums``, its recorded sha256.
 """
@@ -47,6 +58,8 @@ class Manifest:
     extra_parts: dict[str, list[PartInfo]] = field(default_factory=dict)  # e.g. {"rejects": [...]}
     code_version: str = __version__
     sources: list[dict] = field(default_factory=list)  # ingest: input files read, {uri, size, version}
+    inputs: dict[str, str] | None = None  # content digest of each input by table name (None: not recorded)
+    trainer_state: list[PartInfo] | None = None  # update: the optimizer state files (None: not recorded)
 
     @property
     def num_rows(self) -> int:
@@ -64,6 +77,8 @@ class Manifest:
         raw = json.loads(text)
         raw["parts"] = [PartInfo(**p) for p in raw["parts"]]
         raw["extra_parts"] = {k: [PartInfo(**p) for p in v] for k, v in raw.get("extra_parts", {}).items()}
+        if raw.get("trainer_state") is not None:
+            raw["trainer_state"] = [PartInfo(**p) for p in raw["trainer_state"]]
         return cls(**raw)
 
 
@@ -107,6 +122,13 @@ def damaged_parts(table_dir: str, manifest: Manifest, *, checksums: bool = False
         elif checksums and sha256_of(join(table_dir, part.name)) != part.sha256:
             damaged.append(part.name)
     return damaged
+
+
+def content_digest(manifest: Manifest) -> str:
+    """sha256 of a table's parts (names and sha256): what its readers read. Side records (extra_parts: rejects,
+    log-probs) and the trainer state are left out, so only a change to what a later stage reads counts."""
+    payload = json.dumps(sorted((p.name, p.sha256) for p in manifest.parts))
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
 def fingerprint(stage_config: object, *upstream: str) -> str:

@@ -3,16 +3,21 @@
 Fingerprints are computed from the config alone (each stage's config + its upstream fingerprints), so
 ``batchrl plan`` can say, without running anything, which stages are complete (a manifest with the same
 fingerprint), stale (a manifest from a different config: redone, and so is everything after it),
-partial (some shards written) or pending. Two more states come from storage and the command line:
+partial (some shards written) or pending. More states come from storage and the command line:
 
 - damaged: a manifest with the right fingerprint whose parts are missing or have another size (or, with
-  ``--verify``, another sha256). Only the damaged parts are redone; if the redone parts differ from the
-  recorded ones (a non-deterministic engine or update), every later stage is redone too, so no table is
-  ever derived from data that no longer exists. The old manifest stays until the new one replaces it, so
-  a crash during the repair leaves the stage damaged, not silently done.
+  ``--verify``, another sha256). Only the damaged parts are redone. The old manifest stays until the new one
+  replaces it, so a crash during the repair leaves the stage damaged, not silently done.
+- outdated: a manifest with the right fingerprint, made from an input that has since been replaced (the
+  content digest of an input recorded in its manifest differs from that input's manifest now). Redone whole.
 - forced: ``--from-stage S --iteration K`` redoes stage S of iteration K and every stage after it (later
   iterations included), keeping everything before it. Forced outputs are deleted before anything runs,
   last stage first, so an interrupted forced run resumes as an ordinary one.
+
+No table is ever derived from data that no longer exists: every manifest records the content digest of each
+input it was made from, and whenever a stage is (re)done, each later stage that reads its output and was made
+from other content (or, for a manifest without that record, whenever the output changed or there was no
+previous output to compare with) is deleted before the new manifest is written, last first, and redone.
 """
 
 from __future__ import annotations
@@ -37,11 +42,22 @@ from batchrl.pipeline.lineage import (
     seen_fingerprint,
     write_lineage,
 )
+from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.lock import RunLock
+from batchrl.pipeline.reaper import reaping_orphans
 from batchrl.pipeline.shards import set_embedded_ray
-from batchrl.pipeline.manifest import MANIFEST_NAME, Manifest, damaged_parts, fingerprint, read_manifest, write_manifest
+from batchrl.pipeline.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    content_digest,
+    damaged_parts,
+    fingerprint,
+    read_manifest,
+    write_manifest,
+)
 from batchrl.pipeline.stage import STAGES, StageContext, consumers, planned_iterations, stage_order
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
+from batchrl.storage.sources import check_s3_credentials
 from batchrl.tracking import Trackers, check_tracking, tracking_session
 
 logger = logging.getLogger(__name__)
@@ -58,7 +74,7 @@ class PlannedStage:
     input_dirs: dict[str, str]
     policy_in: str
     sharded: bool = False  # output part k is made from input part k alone (resumes shard by shard)
-    status: str = "pending"  # done | damaged | stale | partial | pending | forced
+    status: str = "pending"  # done | damaged | stale | outdated | partial | pending | forced
     manifest: Manifest | None = None  # the committed manifest (done, damaged)
     damaged: list[str] = field(default_factory=list)  # damaged: the parts to redo
     parts_written: int = 0  # partial: parts already under their final name
@@ -84,6 +100,8 @@ def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Line
                from_stage: str | None = None, from_iteration: int | None = None,
                verify_checksums: bool = False) -> list[PlannedStage]:
     """Every stage of the run in order, with fingerprints and (when check_storage) completion status."""
+    if check_storage:
+        check_s3_credentials(cfg)  # a one-line ConfigError, not botocore's traceback on the first manifest read
     if lineage is None:
         lineage = resolve_lineage(cfg) if check_storage else fresh_lineage(cfg)
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
@@ -119,6 +137,7 @@ def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Line
             upstream = by_dir.get(next(iter(step.input_dirs.values()), ""))
             if upstream is not None and upstream.manifest is not None and step.sharded:
                 step.parts_total = len(upstream.manifest.parts)
+            _check_recorded_inputs(step, by_dir, lineage)
     if from_stage is not None:
         _force_from(plan, from_stage, from_iteration)
     return plan
@@ -147,6 +166,32 @@ def _set_status(step: PlannedStage, *, checksums: bool) -> None:
     step.parts_written = sum(not n.startswith((".", "_")) for n in names)
     step.started_at = started.get("started_at")
     step.status = "partial" if step.parts_written else "pending"
+
+
+def _check_recorded_inputs(step: PlannedStage, by_dir: dict[str, PlannedStage], lineage: Lineage) -> None:
+    """Marks a committed stage ``outdated`` when an input it records having been made from is not the input
+    there is now: that input was redone (or replaced) since, so this output is derived from data that is gone.
+
+    Inputs that have no manifest now are not compared here: the runner compares once it has redone them."""
+    if step.status not in ("done", "damaged") or step.manifest.inputs is None:
+        return
+    for table, recorded in step.manifest.inputs.items():
+        current = current_input_digest(step, table, by_dir, lineage)
+        if current is not None and current != recorded:
+            logger.debug("%s: made from %s %s, which is now %s", step.label, table, recorded, current)
+            step.status, step.manifest, step.damaged = "outdated", None, []
+            return
+
+
+def current_input_digest(step: PlannedStage, table: str, by_dir: dict[str, PlannedStage],
+                         lineage: Lineage) -> str | None:
+    """The content digest of ``step``'s input ``table`` as committed now (None: not committed). The initial policy
+    (model.path or a warm start) is not a table of this run: its lineage fingerprint stands for its content."""
+    source = step.policy_in if table == "policy" else step.input_dirs.get(table)
+    upstream = by_dir.get(source)
+    if upstream is None:
+        return lineage.initial_policy_fingerprint if table == "policy" else None
+    return None if upstream.manifest is None else content_digest(upstream.manifest)
 
 
 def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int | None) -> None:
@@ -206,19 +251,21 @@ class Runner:
                  verify_checksums: bool = False):
         self.cfg = cfg
         self.layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
+        check_s3_credentials(cfg)  # before resolve_lineage's first object-store request
         if from_stage is not None:
             check_from_stage(cfg, from_stage, from_iteration)
         self.lineage = resolve_lineage(cfg)
         self.steps = build_plan(cfg, lineage=self.lineage, from_stage=from_stage, from_iteration=from_iteration,
                                 verify_checksums=verify_checksums)
         self.plan = {(s.name, s.iteration): s for s in self.steps}
+        self.by_dir = {s.output_dir: s for s in self.steps}
         self.summary = RunSummary(run_dir=self.layout.run_dir)
         self.trackers = Trackers([])  # opened in run()
 
     def run(self) -> RunSummary:
         self._ensure_toy_assets()
         self.check_inputs()  # config errors surface here, before the run directory is touched
-        with RunLock(self.layout.lock):
+        with RunLock(self.layout.lock), reaping_orphans():  # nothing the run starts outlives the driver
             self._write_run_yaml()  # first: `batchrl status` reads it, even of a run killed while starting
             with tracking_session(self.cfg.tracking, run_dir=self.layout.run_dir, run_id=self.cfg.run_id,
                                   config_dict=self.cfg.model_dump(mode="json")) as self.trackers, \
@@ -228,7 +275,8 @@ class Runner:
                 finally:
                     from batchrl.trainer import shutdown_trainers
 
-                    shutdown_trainers()  # resident update ranks (update.trainer_lifetime: run) end with the run
+                    with deferred():  # a SIGTERM must not cut it short (see interrupts)
+                        shutdown_trainers()  # resident update ranks (update.trainer_lifetime: run) end with the run
         return self.summary
 
     def _run_stages(self) -> None:
@@ -266,6 +314,9 @@ class Runner:
         if cfg is None:
             return None
         damaged = step.manifest if step.status == "damaged" else None
+        if step.status == "outdated":
+            logger.warning("%s: made from an input that has since been redone or replaced; redoing it", step.label)
+            _remove(step.output_dir)
         self._prepare_output_dir(step, stage)
         inputs = {t: self.plan[(_producer(t), _table_iteration(t, iteration))].manifest for t in stage.inputs if t != "policy"}
         ctx = StageContext(cfg=cfg, layout=self.layout, iteration=iteration, output_dir=step.output_dir,
@@ -276,10 +327,9 @@ class Runner:
         output = stage.run(ctx)
         manifest = Manifest(stage=name, table=stage.table, iteration=iteration, fingerprint=step.fingerprint,
                             parts=output.parts, schema=stage.schema or "", started_at=started, finished_at=time.time(),
-                            counts=output.counts, stats=output.stats, extra_parts=output.extra_parts, sources=sources)
-        if damaged is not None and _digests(damaged) != _digests(manifest):
-            logger.warning("%s: the redone parts differ from the damaged ones; every later stage is redone", step.label)
-            self._invalidate_after(step)
+                            counts=output.counts, stats=output.stats, extra_parts=output.extra_parts, sources=sources,
+                            inputs=self._input_digests(step, stage), trainer_state=output.trainer_state)
+        self._invalidate_readers(step, manifest, previous=damaged)
         write_manifest(step.output_dir, manifest)
         step.status, step.manifest, step.damaged = "done", manifest, []
         rows = f", {manifest.num_rows} rows" if stage.schema else ""
@@ -367,12 +417,39 @@ class Runner:
                 _remove(step.output_dir)
                 step.status = "pending"
 
-    def _invalidate_after(self, changed: PlannedStage) -> None:
-        """Deletes the outputs of every stage after ``changed`` (last first): they were made from old data."""
-        for step in reversed(self.steps[self.steps.index(changed) + 1:]):
-            if step.status != "pending":
-                _remove(step.output_dir)
-                step.status, step.manifest, step.damaged = "pending", None, []
+    def _input_digests(self, step: PlannedStage, stage) -> dict[str, str]:
+        """What ``step`` is made from, for its manifest: the content digest of each input as committed now."""
+        return {table: current_input_digest(step, table, self.by_dir, self.lineage) for table in stage.inputs}
+
+    def _invalidate_readers(self, redone: PlannedStage, manifest: Manifest, *, previous: Manifest | None) -> None:
+        """Deletes (last first) the output of every later stage that reads ``redone``'s table and was made from
+        other content than ``manifest`` lists: it is redone when the run reaches it. Called before ``manifest`` is
+        written, so a crash in between leaves ``redone`` to be redone and compared again.
+
+        A reader whose manifest records its inputs is compared with that record. Without one (a manifest written
+        before inputs were recorded, or a partial output), it is kept only when ``redone`` had a previous
+        manifest with the same content; one redone from nothing cannot tell, so its readers are redone too."""
+        digest = content_digest(manifest)
+        unchanged = previous is not None and content_digest(previous) == digest
+        stale = [step for step, table in self._readers(redone)
+                 if not _made_from(step, table, digest=digest, unchanged=unchanged)]
+        if stale:
+            logger.warning("%s: its output is not what %s %s made from; %s redone", redone.label,
+                           ", ".join(s.label for s in stale), "was" if len(stale) == 1 else "were",
+                           "it is" if len(stale) == 1 else "they are")
+        for step in reversed(stale):
+            _remove(step.output_dir)
+            step.status, step.manifest, step.damaged = "pending", None, []
+
+    def _readers(self, producer: PlannedStage) -> list[tuple[PlannedStage, str]]:
+        """(later stage, the input name under which it reads ``producer``'s table), in plan order."""
+        later = self.steps[self.steps.index(producer) + 1:]
+        readers = []
+        for step in later:
+            reads_policy = "policy" in STAGES[step.name].inputs and step.policy_in == producer.output_dir
+            tables = [t for t, d in step.input_dirs.items() if d == producer.output_dir] + ["policy"] * reads_policy
+            readers += [(step, table) for table in tables]
+        return readers
 
     def _write_run_yaml(self) -> None:
         text = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
@@ -418,8 +495,14 @@ def damaged_names(step: PlannedStage) -> str:
     return ", ".join(step.damaged[:5]) + (f" and {len(step.damaged) - 5} more" if len(step.damaged) > 5 else "")
 
 
-def _digests(manifest: Manifest) -> dict[str, str]:
-    return {p.name: p.sha256 for p in manifest.all_parts}
+def _made_from(step: PlannedStage, table: str, *, digest: str, unchanged: bool) -> bool:
+    """Whether ``step``'s output (if any) was made from input ``table`` with content ``digest``; ``unchanged``
+    answers for an output that does not record its inputs."""
+    if step.status in ("pending", "stale", "forced", "outdated"):
+        return True  # nothing of it is kept: it is cleared and redone anyway
+    if step.manifest is not None and step.manifest.inputs is not None and table in step.manifest.inputs:
+        return step.manifest.inputs[table] == digest
+    return unchanged
 
 
 def _remove(uri: str) -> None:
@@ -484,15 +567,17 @@ def _ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[None]:
         yield
         return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 configure_logging=False)
-    set_embedded_ray(not address)
-    DataContext.get_current().enable_progress_bars = False
     try:
+        with kept_across("ray.init"):  # ray.init replaces the driver's SIGTERM handler (see interrupts)
+            if address:
+                ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)  # cli.py's
+            else:
+                ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                         configure_logging=False)
+        set_embedded_ray(not address)
+        DataContext.get_current().enable_progress_bars = False
         yield
     finally:
-        set_embedded_ray(False)
-        ray.shutdown()
+        with deferred():  # a signal cutting ray.shutdown short would leave half of Ray running
+            set_embedded_ray(False)
+            ray.shutdown()

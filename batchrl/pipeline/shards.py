@@ -27,10 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrl.pipeline.manifest import Manifest, PartInfo
-from batchrl.pipeline.schemas import conform
+from batchrl.pipeline.schemas import conform, load_schema
 from batchrl.tracking.progress import progress
 from batchrl.pipeline.stage import DataError
-from batchrl.storage import join, read_parquet, resolve, sha256_of, write_parquet_atomic
+from batchrl.storage import join, read_parquet, resolve, write_parquet_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -109,36 +109,68 @@ def read_verified_parquet(uri: str, *, sha256: str | None) -> pa.Table:
     return pq.read_table(io.BytesIO(data))
 
 
-def committed_part(uri: str) -> PartInfo | None:
-    """A part already written under its final name (atomic write => complete), or None."""
+def kept_part(uri: str, *, schema: str, input_uri: str) -> tuple[PartInfo, pa.Table] | None:
+    """A part already written under its final name that is this stage's output for its shard, with its rows;
+    None when there is none, and for one that is not: such a file is removed, so its shard is redone.
+
+    An atomic write makes a part under its final name complete, but not necessarily ours: a file copied in by
+    hand or left by another program under a part name must not be taken for finished work (it would be
+    summarised, then listed in the manifest). It must read as Parquet, have exactly the stage's columns and
+    types, and hold only prompt ids of its input shard (a subset: dynamic sampling drops whole groups).
+    """
     fs, path = resolve(uri)
-    if not fs.exists(path):
-        return None
     try:
-        with fs.open(path, "rb") as f:
-            rows = pq.ParquetFile(f).metadata.num_rows
-    except Exception as err:  # noqa: BLE001 — a torn or foreign file is redone, whatever the reason
-        logger.warning("part %s is unreadable (%s); redoing its shard", uri, err)
+        data = fs.cat_file(path)
+    except FileNotFoundError:
         return None
-    return PartInfo(name=path.rsplit("/", 1)[-1], rows=rows, sha256=sha256_of(uri), num_bytes=fs.size(path))
+    reason = None
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except Exception as err:  # noqa: BLE001 — a torn or foreign file is redone, whatever the reason
+        table, reason = None, f"unreadable ({err})"
+    if table is not None:
+        reason = _not_this_stages_output(table, schema=schema, input_uri=input_uri)
+    if reason is not None:
+        logger.warning("part %s is not this stage's output: %s; removing it and redoing its shard", uri, reason)
+        fs.rm(path)
+        return None
+    info = PartInfo(name=path.rsplit("/", 1)[-1], rows=table.num_rows, sha256=hashlib.sha256(data).hexdigest(),
+                    num_bytes=len(data))
+    return info, table
+
+
+def _not_this_stages_output(table: pa.Table, *, schema: str, input_uri: str) -> str | None:
+    """Why ``table`` cannot be the output of the shard read from ``input_uri`` (None when it can be)."""
+    declared = load_schema(schema)
+    got = [(f.name, f.type) for f in table.schema]
+    if got != [(f.name, f.type) for f in declared]:
+        missing = [n for n in declared.names if n not in table.column_names]
+        return (f"its columns differ from data_schemas/{schema}.json"
+                + (f" (missing {missing[:5]})" if missing else " (other columns or types)"))
+    if "prompt_id" in table.column_names:
+        ids = set(table.column("prompt_id").to_pylist())
+        input_ids = set(read_parquet(input_uri, columns=["prompt_id"]).column("prompt_id").to_pylist())
+        if not ids <= input_ids:
+            return f"{len(ids - input_ids)} of its prompt ids are not in its input shard {input_uri}"
+    return None
 
 
 def pending_shards(
-    *, input_dir: str, input_manifest: Manifest, output_dir: str, summarize: Callable[[pa.Table], dict[str, float]]
+    *, input_dir: str, input_manifest: Manifest, output_dir: str, schema: str,
+    summarize: Callable[[pa.Table], dict[str, float]],
 ) -> tuple[dict[str, PartInfo], dict[str, float], list[dict[str, str]]]:
     """Splits a stage's shards into those already written (resume: parts and their counts) and jobs to run."""
     parts: dict[str, PartInfo] = {}
     counts: dict[str, float] = {}
     jobs = []
     for part in input_manifest.parts:
-        out_uri = join(output_dir, part.name)
-        done = committed_part(out_uri)
+        out_uri, in_uri = join(output_dir, part.name), join(input_dir, part.name)
+        done = kept_part(out_uri, schema=schema, input_uri=in_uri)
         if done is not None:
-            parts[part.name] = done
-            add_counts(counts, summarize(read_parquet(out_uri)))
+            parts[part.name] = done[0]
+            add_counts(counts, summarize(done[1]))
         else:
-            jobs.append({"input_uri": join(input_dir, part.name), "output_uri": out_uri, "name": part.name,
-                         "input_sha256": part.sha256})
+            jobs.append({"input_uri": in_uri, "output_uri": out_uri, "name": part.name, "input_sha256": part.sha256})
     if parts:
         logger.info("resuming: %d of %d shards already written", len(parts), len(input_manifest.parts))
     return parts, counts, jobs
@@ -162,7 +194,7 @@ def run_sharded(
     import ray.data
 
     parts, counts, jobs = pending_shards(input_dir=input_dir, input_manifest=input_manifest, output_dir=output_dir,
-                                         summarize=summarize)
+                                         schema=worker_cls.schema, summarize=summarize)
     results: list[dict[str, Any]] = []
     if jobs and runs_in_driver(len(jobs), num_gpus=num_gpus):
         results = process_in_driver(worker_cls, worker_kwargs, jobs)

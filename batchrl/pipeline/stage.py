@@ -37,6 +37,7 @@ class StageOutput:
     counts: dict[str, int] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
     extra_parts: dict[str, list[PartInfo]] = field(default_factory=dict)
+    trainer_state: list[PartInfo] | None = None  # update: the optimizer state it saved (see Manifest.trainer_state)
 
 
 class Stage(Protocol):

@@ -19,6 +19,13 @@ Departures, all on the ground-truth side (verl expects its preprocessing to have
   taken, with commas removed, as verl's data preprocessing does.
 - Surrounding whitespace is stripped from the ground truth.
 For ground truths that verl's preprocessing produces (e.g. ``"72"``), neither changes anything.
+
+Numbers: a ground truth stored as a number (a float Parquet column holds 72 as 72.0) is written as text by ingest
+without a spurious ``.0`` (``"72"``; 2.5 stays ``"2.5"``; NaN/inf rows are rejected), so it matches what a response
+writes. verl compares ``str`` against whatever its preprocessing stored, so a float column there scores every
+correct answer 0; ingest is where batchrl departs from that. The response side is left exactly as verl's:
+``"#### 72.0"`` against ``"72"`` is a wrong answer (format_score), like ``"#### 72."``. Rewards that compare
+numbers by value do accept it: exact_match (``"72.0" == "72"``) and math (math-verify).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.manifest import Manifest, PartInfo
 from batchrl.pipeline.schemas import load_schema
 from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
 from batchrl.rewards import reward_name_for
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 
@@ -97,8 +97,8 @@ class EvaluateStage:
                               "generate.max_new_tokens")
         try:
             IngestStage().check_inputs(eval_prompts_config(cfg))
-        except ConfigError as err:
-            raise ConfigError(str(err).replace("data.train_files", "evaluate.files")) from None
+        except (ConfigError, DataError) as err:  # the same error, named by this stage's field
+            raise type(err)(str(err).replace("data.train_files", "evaluate.files")) from None
 
     def run(self, ctx: StageContext) -> StageOutput:
         cfg = ctx.cfg

@@ -211,7 +211,8 @@ class GenerateStage:
     def run(self, ctx: StageContext) -> StageOutput:
         g = ctx.cfg.generate
         parts, counts, jobs = pending_shards(input_dir=ctx.input_dirs["prompts"], input_manifest=ctx.inputs["prompts"],
-                                             output_dir=ctx.output_dir, summarize=summarize_rollouts)
+                                             output_dir=ctx.output_dir, schema=self.schema,
+                                             summarize=summarize_rollouts)
         timings: list[dict[str, float]] = []
         if jobs:
             pool = EnginePool.get(engine_spec(ctx.cfg), num_actors=min(g.num_actors, len(jobs)),

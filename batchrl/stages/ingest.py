@@ -4,8 +4,13 @@ Accepts two layouts, per file:
 - batchrl's: ``prompt`` (string or chat messages), ``ground_truth``, optional ``data_source``, ``prompt_id``,
   ``extra_info``;
 - verl's: ``data_source``, ``prompt`` (chat messages), ``reward_model.ground_truth``, ``extra_info``.
-A missing ``prompt_id`` becomes ``<file stem>-<row>``. Bad rows are not dropped silently: each goes to the
-rejects table (``prompts/_rejects/``) with a reason, and the counts go into the manifest.
+A missing ``prompt_id`` becomes ``<file stem>-<row>``; a missing ``data_source`` becomes ``unknown``, which is
+allowed only when the config does not choose rewards by data_source (score.rewards or a reward model alone):
+otherwise a file without the column is a data error, raised before anything is written. A numeric ground truth
+is written as text without a spurious ``.0`` (see ground_truth_text). Bad rows are not dropped silently: each goes
+to the rejects table (``prompts/_rejects/``) with a reason (empty_prompt, bad_prompt, bad_messages, bad_role,
+bad_ground_truth, missing_ground_truth, duplicate_prompt_id, prompt_too_long), and the counts go into the manifest.
+An unreadable file, or one without a required column, stops the stage (DataError, exit 3) before it writes a part.
 Rows are re-sharded into parts of ``data.shard_size`` prompts, in input order, so shards are deterministic.
 """
 
@@ -13,8 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
@@ -24,10 +29,22 @@ from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.manifest import PartInfo
 from batchrl.pipeline.schemas import load_schema
 from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
-from batchrl.storage import StorageError, expand_parquet_files, join, read_parquet, resolve, write_parquet_atomic
+from batchrl.storage import (
+    StorageError,
+    expand_parquet_files,
+    is_local,
+    join,
+    read_parquet,
+    resolve,
+    write_parquet_atomic,
+)
 from batchrl.storage.layout import part_name
+from batchrl.storage.sources import check_checkpoint_source
 
 logger = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render (OpenAI's, verl's data)
+HUB_EXAMPLE = "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 @dataclass(frozen=True)
@@ -51,24 +68,26 @@ class IngestStage:
         return {"data": cfg.data.model_dump(exclude_defaults=True), "tokenizer": cfg.model.tokenizer or cfg.model.path}
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
-        """Before anything is written: every input exists and has the needed columns (reads footers only)."""
+        """Before anything is written: the inputs exist, local ones are Parquet files with the needed columns and
+        not all empty (footers only: a handful of local files costs little, while an object-store prefix of many
+        files would be read twice, so those are checked as ingest reads them, before it writes a part), and the
+        model and tokenizer can be found."""
         try:
             files = expand_parquet_files(cfg.data.train_files)
         except StorageError as err:
             raise ConfigError(f"{err}; fix data.train_files") from None
-        for uri in files:
-            try:
-                fs, path = resolve(uri)
-                with fs.open(path, "rb") as f:
-                    columns = set(pq.read_schema(f).names)
-            except (OSError, pa.ArrowInvalid) as err:
-                raise ConfigError(f"data.train_files: {uri} is not a readable Parquet file ({err})") from None
-            missing = _missing_columns(columns)
-            if missing:
-                raise ConfigError(f"data.train_files: {uri} has no {missing} column (columns: {sorted(columns)}); "
-                                  f"use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or "
-                                  f"verl's (prompt, reward_model.ground_truth, data_source)")
-        _check_model_path(cfg.model.tokenizer or cfg.model.path, field="model.tokenizer" if cfg.model.tokenizer else "model.path")
+        local = [uri for uri in files if is_local(uri)]
+        num_rows = 0
+        for uri in local:
+            columns, rows = _read_footer(uri)
+            _check_columns(uri, columns, needs_data_source=rewards_need_data_source(cfg))
+            num_rows += rows
+        if local and len(local) == len(files) and num_rows == 0:
+            raise DataError(f"data.train_files: every input file is empty (0 rows): {_listing(files)}")
+        model = cfg.model
+        check_checkpoint_source(model.path, field="model.path", example=HUB_EXAMPLE)
+        if model.tokenizer is not None:
+            check_checkpoint_source(model.tokenizer, field="model.tokenizer", example=HUB_EXAMPLE)
 
     def run(self, ctx: StageContext) -> StageOutput:
         cfg = ctx.cfg
@@ -80,30 +99,41 @@ class IngestStage:
         if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(f"the tokenizer of {cfg.model.tokenizer or cfg.model.path} has no chat template; "
                             f"set data.apply_chat_template: false to feed prompts as plain text")
-        rows, rejects, seen, truncated = [], [], set(), 0
-        for uri in files:
-            for row in _normalized_rows(uri):
-                reject = _validate(row, seen=seen)
-                if reject is None:
-                    _tokenize_into(row, tokenizer, apply_template=cfg.data.apply_chat_template)
-                    reject = _fit_length(row, tokenizer, max_tokens=cfg.data.max_prompt_tokens,
-                                         policy=cfg.data.overlong_prompts)
-                    truncated += row.get("truncated", False)
-                if reject is not None:
-                    rejects.append(reject)
-                    continue
-                seen.add(row["prompt_id"])
-                rows.append(row)
-                if cfg.data.max_prompts is not None and len(rows) >= cfg.data.max_prompts:
-                    break
-            if cfg.data.max_prompts is not None and len(rows) >= cfg.data.max_prompts:
-                break
+        rows, rejects, truncated, empty_files = _read_prompts(files, tokenizer, cfg)
         if not rows:
-            raise DataError(f"no valid prompts in {len(files)} file(s): {len(rejects)} rejected "
-                            f"({_reason_counts(rejects)}); check data.train_files and the column layout")
+            empty = f"; with no rows: {_listing(empty_files)}" if empty_files else ""
+            raise DataError(f"no valid prompts in {_listing(files)}: {len(rejects)} row(s) rejected "
+                            f"({_reason_counts(rejects)}){empty}; check data.train_files and the column layout")
         output = _write(ctx.output_dir, rows, rejects, shard_size=cfg.data.shard_size)
         output.counts["truncated_prompts"] = truncated
         return output
+
+
+def _read_prompts(files: list[str], tokenizer, cfg: PipelineConfig) -> tuple[list[dict], list[Reject], int, list[str]]:
+    """(valid tokenized rows, rejects, number truncated, files without rows), in input order, up to data.max_prompts."""
+    rows, rejects, seen, truncated, empty_files = [], [], set(), 0, []
+    needs_data_source = rewards_need_data_source(cfg)
+    for uri in files:
+        num_read = 0
+        for row in _normalized_rows(uri, needs_data_source=needs_data_source):
+            num_read += 1
+            reject = _validate(row, seen=seen)
+            if reject is None:
+                _tokenize_into(row, tokenizer, apply_template=cfg.data.apply_chat_template)
+                reject = _fit_length(row, tokenizer, max_tokens=cfg.data.max_prompt_tokens,
+                                     policy=cfg.data.overlong_prompts)
+                truncated += row.get("truncated", False)
+            if reject is not None:
+                rejects.append(reject)
+                continue
+            seen.add(row["prompt_id"])
+            rows.append(row)
+            if cfg.data.max_prompts is not None and len(rows) >= cfg.data.max_prompts:
+                return rows, rejects, truncated, empty_files
+        if num_read == 0:
+            logger.warning("ingest: %s has no rows", uri)
+            empty_files.append(uri)
+    return rows, rejects, truncated, empty_files
 
 
 def load_tokenizer(cfg: PipelineConfig):
@@ -117,71 +147,139 @@ def load_tokenizer(cfg: PipelineConfig):
                         f"{str(err).splitlines()[0]}") from None
 
 
-def _normalized_rows(uri: str):
+def _normalized_rows(uri: str, *, needs_data_source: bool):
     try:
         table = read_parquet(uri)
     except StorageError as err:
         raise DataError(str(err)) from None
-    columns = set(table.column_names)
-    missing = _missing_columns(columns)
-    if missing:
-        raise DataError(f"{uri}: no {missing} column (columns: {sorted(columns)}); expected batchrl's layout "
-                        f"(prompt, ground_truth[, data_source, prompt_id]) or verl's (prompt, reward_model, data_source)")
+    _check_columns(uri, set(table.column_names), needs_data_source=needs_data_source)
     stem = uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
     for index, raw in enumerate(table.to_pylist()):
         reward_model = raw.get("reward_model") or {}
         ground_truth = raw.get("ground_truth", reward_model.get("ground_truth") if isinstance(reward_model, dict) else None)
+        ground_truth, ground_truth_problem = ground_truth_text(ground_truth)
         yield {
             "prompt_id": str(raw["prompt_id"]) if raw.get("prompt_id") is not None else f"{stem}-{index}",
             "data_source": str(raw.get("data_source") or "unknown"),
             "prompt": raw.get("prompt"),
-            "ground_truth": None if ground_truth is None else str(ground_truth),
+            "ground_truth": ground_truth,
+            "ground_truth_problem": ground_truth_problem,
             "extra_info_json": json.dumps(raw["extra_info"], default=str) if raw.get("extra_info") is not None else None,
             "source_file": uri,
             "source_row": index,
         }
 
 
-def _missing_columns(columns: set[str]) -> str | None:
+def ground_truth_text(value: Any) -> tuple[str | None, str | None]:
+    """(the ground truth as the text rewards compare with, None) or (None, why it cannot be one).
+
+    Why numbers are normalised here: rule rewards compare strings (verl's gsm8k scorer does), and a float column
+    turns 19 into "19.0", which never equals the "19" extracted from a response, so every correct answer would
+    score 0 without an error. An integral number becomes its digits (19.0 -> "19"), any other its shortest
+    decimal form without an exponent (2.5 -> "2.5", 1e-05 -> "0.00001"); NaN, inf and booleans are rejected.
+    Strings are kept as they are: what a dataset spells out is the answer it means.
+    """
+    if value is None or isinstance(value, str):
+        return value, None
+    if isinstance(value, bool):
+        return None, f"ground truth is a boolean ({value}); store it as a string if it is the answer"
+    if isinstance(value, int):
+        return str(value), None
+    if isinstance(value, (float, Decimal)):
+        number = Decimal(repr(value)) if isinstance(value, float) else value
+        if not number.is_finite():
+            return None, f"ground truth is {value}, not a number an answer can equal"
+        return _plain_decimal(number), None
+    return str(value), None
+
+
+def _plain_decimal(number: Decimal) -> str:
+    """19.0 -> "19", 2.50 -> "2.5", 1E+20 -> "100000000000000000000", -0.0 -> "0"."""
+    if number.is_zero():
+        return "0"
+    integral = number.to_integral_value()
+    return format(integral if number == integral else number.normalize(), "f")
+
+
+def _read_footer(uri: str) -> tuple[set[str], int]:
+    """(column names, number of rows) from a Parquet file's footer; DataError naming the file if unreadable."""
+    try:
+        fs, path = resolve(uri)
+        with fs.open(path, "rb") as f:
+            metadata = pq.read_metadata(f)
+    except (OSError, pa.ArrowInvalid) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(f"data.train_files: {uri} is not a readable Parquet file ({reason})") from None
+    return set(metadata.schema.to_arrow_schema().names), metadata.num_rows
+
+
+def rewards_need_data_source(cfg: PipelineConfig) -> bool:
+    """Whether each row's reward is chosen by its data_source (no score.rewards terms, no reward model alone)."""
+    return not cfg.score.rewards and cfg.score.reward_model is None
+
+
+def _check_columns(uri: str, columns: set[str], *, needs_data_source: bool) -> None:
+    """DataError naming the file and the first required column it lacks."""
+    layouts = ("use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or verl's "
+               "(prompt, reward_model.ground_truth, data_source)")
     if "prompt" not in columns:
-        return "'prompt'"
-    if "ground_truth" not in columns and "reward_model" not in columns:
-        return "'ground_truth' (or verl's 'reward_model')"
-    return None
-
-
-def _check_model_path(path: str, *, field: str) -> None:
-    """A local checkpoint directory must exist; a hub id (org/name) is left to the loader."""
-    if "://" in path or os.path.isdir(path):
+        missing, hint = "'prompt'", layouts
+    elif "ground_truth" not in columns and "reward_model" not in columns:
+        missing, hint = "'ground_truth' (or verl's 'reward_model')", layouts
+    elif needs_data_source and "data_source" not in columns:
+        missing, hint = "'data_source'", ("it chooses each row's reward while score.rewards is empty: add the column "
+                                          "(e.g. openai/gsm8k) or list the rewards in score.rewards")
+    else:
         return
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
-        raise ConfigError(f"{field}: {path!r} is neither a local checkpoint directory nor a hub id like "
-                          f"Qwen/Qwen2.5-0.5B-Instruct; fix the path")
+    raise DataError(f"data.train_files: {uri} has no {missing} column (columns: {sorted(columns)}); {hint}")
+
+
+def _listing(uris: list[str], *, limit: int = 3) -> str:
+    more = f" and {len(uris) - limit} more" if len(uris) > limit else ""
+    return ", ".join(uris[:limit]) + more
 
 
 def _validate(row: dict[str, Any], *, seen: set[str]) -> Reject | None:
     def reject(reason: str, detail: str) -> Reject:
         return Reject(row["source_file"], row["source_row"], row["prompt_id"], reason, detail)
 
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}] if prompt.strip() else []
-    elif isinstance(prompt, list):
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                   for m in prompt):
-            return reject("bad_messages", "prompt messages must be {role: str, content: str}")
-        messages = [{"role": m["role"], "content": m["content"]} for m in prompt if m["content"].strip()]
-    else:
-        messages = []
-    if not messages:
-        return reject("empty_prompt", "prompt is null or empty")
+    messages, problem = prompt_messages(row["prompt"])
+    if problem is not None:
+        return reject(*problem)
+    if row["ground_truth_problem"] is not None:
+        return reject("bad_ground_truth", row["ground_truth_problem"])
     if row["ground_truth"] is None or not row["ground_truth"].strip():
         return reject("missing_ground_truth", "no ground_truth / reward_model.ground_truth")
     if row["prompt_id"] in seen:
         return reject("duplicate_prompt_id", f"prompt_id {row['prompt_id']!r} seen before")
     row["messages"] = messages
     return None
+
+
+def prompt_messages(prompt: Any) -> tuple[list[dict[str, str]], tuple[str, str] | None]:
+    """(the chat messages of a prompt cell, None) or ([], (reject reason, detail)).
+
+    A number is not stringified into a prompt: a numeric prompt column is a mistake in the data, not a question.
+    """
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            return [], ("empty_prompt", "prompt is empty or blank")
+        return [{"role": "user", "content": prompt}], None
+    if prompt is None:
+        return [], ("empty_prompt", "prompt is null")
+    if not isinstance(prompt, list):
+        return [], ("bad_prompt", f"prompt is a {type(prompt).__name__} ({str(prompt)[:80]}); expected a string "
+                                  f"or a list of {{role, content}} chat messages")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+               for m in prompt):
+        return [], ("bad_messages", "prompt messages must be {role: str, content: str}")
+    roles = sorted({m["role"] for m in prompt} - set(CHAT_ROLES))
+    if roles:
+        return [], ("bad_role", f"message role(s) {roles} are not one of {list(CHAT_ROLES)}")
+    messages = [{"role": m["role"], "content": m["content"]} for m in prompt if m["content"].strip()]
+    if not messages:
+        return [], ("empty_prompt", "every prompt message is empty")
+    return messages, None
 
 
 def _fit_length(row: dict[str, Any], tokenizer, *, max_tokens: int, policy: str) -> Reject | None:

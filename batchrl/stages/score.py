@@ -22,7 +22,6 @@ import contextlib
 import gc
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,6 +36,7 @@ from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.rewards import resolve_reward
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
 from batchrl.rewards.isolation import IsolatedRewards
+from batchrl.storage.sources import check_checkpoint_source
 
 logger = logging.getLogger(__name__)
 
@@ -326,9 +326,5 @@ def _as_config_error(check: Callable[[], Any]) -> Any:
 
 
 def _check_reward_model_path(path: str) -> None:
-    """A local reward model directory must exist; a hub id (org/name) or URI is left to the loader."""
-    if "://" in path or os.path.isdir(path):
-        return
-    if not (path.count("/") == 1 and not path.startswith((".", "/", "~"))):
-        raise ConfigError(f"score.reward_model: {path!r} is neither a local checkpoint directory nor a hub id like "
-                          "Skywork/Skywork-Reward-V2-Qwen3-0.6B; fix the path")
+    """A local reward model directory must exist; a hub id (owner/name) must be cached or on the hub."""
+    check_checkpoint_source(path, field="score.reward_model", example="Skywork/Skywork-Reward-V2-Qwen3-0.6B")

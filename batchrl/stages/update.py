@@ -14,8 +14,11 @@ outputs itself (`batchrl.trainer.ray_launch`), and the stage only lists what the
 - ``_logprobs/part-00000.parquet``: per sample, the old-policy and reference log-probs the loss used
   (per token, and summed), listed in the manifest's ``extra_parts["logprobs"]``.
 Leading underscores keep both out of model downloads (`local_copy` skips them) and out of the engines' way.
-The optimizer state is deliberately NOT in the manifest: keep-last-K deletes it later, and the runner treats a
-listed part that disappeared as damage (it would redo the update).
+The optimizer state is deliberately NOT among the manifest's parts: keep-last-K deletes it later, and the runner
+treats a listed part that disappeared as damage (it would redo the update). Its files are recorded with their
+sha256 in the manifest's ``trainer_state`` instead, which nothing checks for damage: the next update loads the
+state only if every file hashes as recorded (loading unpickles it, see `batchrl.trainer.integrity`), and stops
+with a data error, never a silent restart from zero moments, when a state it needs is gone.
 
 The reference policy of the KL loss is the run's initial policy (``model.path``). Optimizer states older
 than ``update.keep_last_k_optimizer_states`` are deleted when an update starts (never the HF policies):
@@ -29,18 +32,20 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from batchrl.config import PipelineConfig
-from batchrl.pipeline.manifest import PartInfo
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.manifest import PartInfo, read_manifest
+from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
 from batchrl.tracking.progress import ProgressBar, progress
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE_DIR = "_trainer_state"
+TRAINER_STATE_FILE = "trainer_state.json"  # as batchrl.trainer.checkpoint writes it (not imported: torch)
 LOGPROBS_PART = "_logprobs/part-00000.parquet"
 
 
@@ -62,39 +67,64 @@ class UpdateStage:
                 "norm_length": _norm_length(cfg), "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None}
 
     def run(self, ctx: StageContext) -> StageOutput:
-        from batchrl.trainer import run_update, shutdown_trainers
+        from batchrl.trainer import shutdown_trainers
+        from batchrl.trainer.integrity import TrainerStateError
 
         on_ray = _launcher(ctx.cfg) == "ray"
         resident = ctx.cfg.update.trainer_lifetime == "run" and not on_ray
         if not resident:
             shutdown_trainers()  # ranks left resident by an earlier configuration in this process
         _prune_trainer_states(ctx)
-        if sum(part.rows for part in ctx.inputs["advantages"].parts) == 0:
-            return _carry_policy_forward(ctx)
-        if on_ray:
-            return _run_on_ray(ctx)
-        with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
-            spec = _local_spec(ctx, scratch)
-            with progress(None, "update: loading", enabled=ctx.cfg.tracking.progress_bars) as bar:
-                show = _progress_display(bar) if bar.drawn else None  # no bar: the ranks write no progress file
-                metrics = run_update(spec, timeout_s=ctx.cfg.update.timeout_s, on_progress=show, resident=resident)
-                if show is not None:
-                    show({"phase": "finished"})
-            parts = _publish_dir(Path(spec.policy_out), ctx.output_dir, prefix="")
-            extra_parts = {"logprobs": _publish_dir(Path(scratch) / "_logprobs", ctx.output_dir, prefix="_logprobs/")}
-            if spec.trainer_state_out is not None:  # not in the manifest: keep-last-K deletes it later
-                state_files = _publish_dir(Path(spec.trainer_state_out), ctx.output_dir, prefix=f"{TRAINER_STATE_DIR}/")
-                logger.info("saved the optimizer state (%d files, %.1f MB) under %s", len(state_files),
-                            sum(p.num_bytes for p in state_files) / 1e6, join(ctx.output_dir, TRAINER_STATE_DIR))
-        logger.info("published policy checkpoint (%d files) to %s", len(parts), ctx.output_dir)
-        return StageOutput(parts=parts, stats={k: float(v) for k, v in metrics.items()}, extra_parts=extra_parts)
+        state = _recorded_trainer_state(ctx) if ctx.cfg.update.keep_last_k_optimizer_states != 0 else None
+        try:
+            if sum(part.rows for part in ctx.inputs["advantages"].parts) == 0:
+                return _carry_policy_forward(ctx, state)
+            if on_ray:
+                return _run_on_ray(ctx, state)
+            return _run_locally(ctx, state, resident=resident)
+        except TrainerStateError as error:  # refused before anything was loaded from it
+            raise _unusable_state(ctx, state.uri, error.name, error.reason) from None
 
 
-def _carry_policy_forward(ctx: StageContext) -> StageOutput:
+@dataclass(frozen=True)
+class RecordedState:
+    """The optimizer state saved with an update's input policy, as the policy's manifest records it."""
+
+    uri: str  # the input policy's _trainer_state/ in the run directory
+    sha256: dict[str, str] | None  # relative path -> sha256 recorded by its writer; None: not recorded (older batchrl)
+
+
+def _run_locally(ctx: StageContext, state: RecordedState | None, *, resident: bool) -> StageOutput:
+    """The update on local rank processes, its outputs published from a scratch directory into the run directory."""
+    from batchrl.trainer import run_update
+
+    with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
+        spec = _local_spec(ctx, scratch, state)
+        with progress(None, "update: loading", enabled=ctx.cfg.tracking.progress_bars) as bar:
+            show = _progress_display(bar) if bar.drawn else None  # no bar: the ranks write no progress file
+            metrics = run_update(spec, timeout_s=ctx.cfg.update.timeout_s, on_progress=show, resident=resident)
+            if show is not None:
+                show({"phase": "finished"})
+        parts = _publish_dir(Path(spec.policy_out), ctx.output_dir, prefix="")
+        extra_parts = {"logprobs": _publish_dir(Path(scratch) / "_logprobs", ctx.output_dir, prefix="_logprobs/")}
+        state_files = []
+        if spec.trainer_state_out is not None:  # recorded apart from the parts: keep-last-K deletes it later
+            state_files = _publish_dir(Path(spec.trainer_state_out), ctx.output_dir, prefix=f"{TRAINER_STATE_DIR}/")
+            logger.info("saved the optimizer state (%d files, %.1f MB) under %s", len(state_files),
+                        sum(p.num_bytes for p in state_files) / 1e6, join(ctx.output_dir, TRAINER_STATE_DIR))
+    logger.info("published policy checkpoint (%d files) to %s", len(parts), ctx.output_dir)
+    return StageOutput(parts=parts, stats={k: float(v) for k, v in metrics.items()}, extra_parts=extra_parts,
+                       trainer_state=state_files)
+
+
+def _carry_policy_forward(ctx: StageContext, state: RecordedState | None) -> StageOutput:
     """No advantages rows (DAPO dynamic sampling dropped every group: all rewards equal in each): nothing to train
     on, so this iteration's policy is its input policy, and its optimizer state the input's, so that the next
     update continues exactly as if this one had not happened. The run goes on (a later iteration's samples may
-    differ), and `actor/update_skipped` records it."""
+    differ), and `actor/update_skipped` records it. The state is checked before it is copied: the copy's
+    checksums are recorded anew, and would vouch for a modified file."""
+    from batchrl.trainer.integrity import verify_dir
+
     logger.warning("iteration %s: the advantages table has no rows (every group was filtered out, e.g. by "
                    "advantage.filter_groups when all of a group's rewards are equal); no update, the policy is "
                    "carried forward unchanged", ctx.iteration)
@@ -109,13 +139,16 @@ def _carry_policy_forward(ctx: StageContext) -> StageOutput:
             AutoModelForCausalLM.from_pretrained(source, dtype="auto").save_pretrained(str(policy))
             AutoTokenizer.from_pretrained(source).save_pretrained(str(policy))
         parts = _publish_dir(policy, ctx.output_dir, prefix="")
-        state = _previous_trainer_state(ctx, scratch) if ctx.cfg.update.keep_last_k_optimizer_states != 0 else None
+        state_files = []
         if state is not None:
+            source = _local_trainer_state(state, scratch)
+            if state.sha256 is not None:
+                verify_dir(source, state.sha256)
             copied = Path(scratch) / "trainer_state_out"
-            shutil.copytree(state, copied)  # _publish_dir consumes its source; `state` may be the run's own
-            _publish_dir(copied, ctx.output_dir, prefix=f"{TRAINER_STATE_DIR}/")
+            shutil.copytree(source, copied)  # _publish_dir consumes its source; `source` may be the run's own
+            state_files = _publish_dir(copied, ctx.output_dir, prefix=f"{TRAINER_STATE_DIR}/")
     stats = {"actor/update_skipped": 1.0, "actor/num_optimizer_steps": 0.0, "perf/num_samples": 0.0}
-    return StageOutput(parts=parts, stats=stats, extra_parts={"logprobs": []})
+    return StageOutput(parts=parts, stats=stats, extra_parts={"logprobs": []}, trainer_state=state_files)
 
 
 def _progress_display(bar: ProgressBar) -> Callable[[dict[str, Any]], None]:
@@ -153,7 +186,7 @@ def _launcher(cfg: PipelineConfig) -> str:
     return "ray" if ray.is_initialized() and not embedded_ray() else "local"
 
 
-def _run_on_ray(ctx: StageContext) -> StageOutput:
+def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:
     """The update as Ray actors that read their inputs from and write their outputs to the run directory
     (`batchrl.trainer.ray_launch`); the manifest lists what they uploaded, so nothing is published from here."""
     from batchrl.trainer.ray_launch import run_update_on_ray
@@ -165,41 +198,44 @@ def _run_on_ray(ctx: StageContext) -> StageOutput:
                      reference_policy=ctx.cfg.model.path if u.kl_loss_coef > 0 else None,
                      advantages_files=[join(ctx.input_dirs["advantages"], p.name)
                                        for p in ctx.inputs["advantages"].parts],
-                     trainer_state_in=_previous_trainer_state_uri(ctx) if keeps_state else None,
+                     trainer_state_in=None if state is None else state.uri,
+                     trainer_state_sha256=None if state is None else state.sha256,
                      policy_out=ctx.output_dir, out_dir=ctx.output_dir,
                      metrics_path=str(Path(scratch) / "metrics.json"))
         with progress(None, f"update: {u.num_processes} rank(s) on Ray", enabled=ctx.cfg.tracking.progress_bars):
             result = run_update_on_ray(spec, timeout_s=u.timeout_s, cpus_per_rank=u.cpus_per_rank)
-    parts, extra_parts, state_bytes = [], {"logprobs": []}, 0
+    parts, extra_parts, state_files = [], {"logprobs": []}, []
     for uploaded in result.uploaded:
         name = uploaded.uri[len(ctx.output_dir.rstrip("/")) + 1:]
         part = PartInfo(name=name, rows=0, sha256=uploaded.sha256, num_bytes=uploaded.num_bytes)
-        if name.startswith(f"{TRAINER_STATE_DIR}/"):  # not in the manifest: keep-last-K deletes it later
-            state_bytes += uploaded.num_bytes
+        if name.startswith(f"{TRAINER_STATE_DIR}/"):  # recorded apart from the parts: keep-last-K deletes it later
+            state_files.append(part)
         elif name.startswith("_logprobs/"):
             extra_parts["logprobs"].append(part)
         else:
             parts.append(part)
     logger.info("the update's Ray workers published the policy checkpoint (%d files) and %.1f MB of optimizer "
-                "state to %s", len(parts), state_bytes / 1e6, ctx.output_dir)
-    return StageOutput(parts=sorted(parts, key=lambda p: p.name), stats=result.metrics, extra_parts=extra_parts)
+                "state to %s", len(parts), sum(p.num_bytes for p in state_files) / 1e6, ctx.output_dir)
+    return StageOutput(parts=sorted(parts, key=lambda p: p.name), stats=result.metrics, extra_parts=extra_parts,
+                       trainer_state=sorted(state_files, key=lambda p: p.name))
 
 
-def _local_spec(ctx: StageContext, scratch: str):
+def _local_spec(ctx: StageContext, scratch: str, state: RecordedState | None):
     """The UpdateSpec for the local launcher: every input made local, every output in `scratch`, published after."""
     u = ctx.cfg.update
-    keeps_state = u.keep_last_k_optimizer_states != 0
     return _spec(ctx, policy_in=local_copy(ctx.policy_in),
                  reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
                  advantages_files=[_local_file(join(ctx.input_dirs["advantages"], p.name), scratch, "advantages")
                                    for p in ctx.inputs["advantages"].parts],
-                 trainer_state_in=_previous_trainer_state(ctx, scratch) if keeps_state else None,
+                 trainer_state_in=None if state is None else _local_trainer_state(state, scratch),
+                 trainer_state_sha256=None if state is None else state.sha256,
                  policy_out=str(Path(scratch) / "policy"), out_dir=scratch,
                  metrics_path=str(Path(scratch) / "metrics.json"))
 
 
 def _spec(ctx: StageContext, *, policy_in: str, reference_policy: str | None, advantages_files: list[str],
-          trainer_state_in: str | None, policy_out: str, out_dir: str, metrics_path: str):
+          trainer_state_in: str | None, trainer_state_sha256: dict[str, str] | None, policy_out: str, out_dir: str,
+          metrics_path: str):
     """The UpdateSpec for this iteration with the caller's paths; the trainer state and the log-probs table go
     under `out_dir` (at the names the run directory uses)."""
     from batchrl.trainer import UpdateSpec
@@ -210,7 +246,8 @@ def _spec(ctx: StageContext, *, policy_in: str, reference_policy: str | None, ad
         policy_in=policy_in, policy_out=policy_out, advantages_files=advantages_files,
         metrics_path=metrics_path, num_processes=u.num_processes, backend=u.backend,
         lr=u.lr, weight_decay=u.weight_decay, max_grad_norm=u.max_grad_norm, clip_ratio_low=u.clip_ratio_low,
-        clip_ratio_high=u.clip_ratio_high, dual_clip_ratio=u.dual_clip_ratio, policy_loss=u.policy_loss,
+        clip_ratio_high=u.clip_ratio_high, policy_loss=u.policy_loss,
+        dual_clip_ratio=u.dual_clip_ratio if u.policy_loss == "ppo_clip" else None,  # gspo: no dual clip, as verl
         loss_agg_mode=u.loss_agg_mode, loss_agg_norm_length=_norm_length(cfg), micro_batch_size=u.micro_batch_size,
         max_tokens_per_micro_batch=u.max_tokens_per_micro_batch, ppo_mini_batch_size=u.ppo_mini_batch_size,
         ppo_epochs=u.ppo_epochs, seed=cfg.run.seed + (ctx.iteration or 0),
@@ -220,7 +257,7 @@ def _spec(ctx: StageContext, *, policy_in: str, reference_policy: str | None, ad
         lr_schedule=u.lr_schedule, lr_warmup_steps=u.lr_warmup_steps, lr_warmup_ratio=u.lr_warmup_ratio,
         min_lr_ratio=u.min_lr_ratio, lr_total_steps=u.lr_total_steps, num_iterations=_schedule_iterations(cfg) or 1,
         cpu_offload=u.cpu_offload, gradient_checkpointing=u.gradient_checkpointing, share_prompt=u.share_prompt,
-        trainer_state_in=trainer_state_in,
+        trainer_state_in=trainer_state_in, trainer_state_sha256=trainer_state_sha256,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_out=join(out_dir, LOGPROBS_PART))
 
@@ -240,27 +277,97 @@ def _norm_length(cfg: PipelineConfig) -> int | None:
     return cfg.update.loss_agg_norm_length or cfg.generate.max_new_tokens
 
 
-def _previous_trainer_state_uri(ctx: StageContext) -> str | None:
-    """Where the optimizer state saved next to this iteration's input policy is (iterations > 0), if it is."""
+def _recorded_trainer_state(ctx: StageContext) -> RecordedState | None:
+    """The optimizer state saved with this iteration's input policy, for the update to continue from (iterations > 0).
+
+    None where the update starts from fresh moments by design: iteration 0 (model.path, or a warm start from another
+    run's policy: `run.init_from` carries weights, not optimizer state), or an input policy whose update saved no
+    state (it had no rows to train on). A state the manifest records but that is gone, or whose files have another
+    size, is a DataError: restarting AdamW from zero moments would silently train differently."""
     if not ctx.iteration:
-        return None  # iteration 0 starts from model.path with fresh optimizer moments
+        return None
     uri = join(ctx.policy_in, TRAINER_STATE_DIR)
-    fs, _ = resolve(uri)
-    if not fs.exists(resolve(join(uri, "trainer_state.json"))[1]):
-        logger.warning("iteration %d: no optimizer state under %s (deleted, or written with "
-                       "keep_last_k_optimizer_states=0); AdamW restarts from zero moments", ctx.iteration, uri)
+    manifest = read_manifest(ctx.policy_in)
+    if manifest is None:
+        raise DataError(f"the input policy {ctx.policy_in} of iteration {ctx.iteration}'s update has no manifest; "
+                        f"redo it: batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update "
+                        f"--iteration {ctx.iteration - 1}")
+    if manifest.trainer_state == []:
+        logger.info("iteration %d: the update of %s saved no optimizer state (nothing to train on); AdamW starts "
+                    "from zero moments", ctx.iteration, ctx.policy_in)
         return None
-    return uri
+    problem = _state_problem(uri, manifest.trainer_state)
+    if problem is not None:
+        raise _unusable_state(ctx, uri, *problem)
+    if manifest.trainer_state is None:
+        logger.warning("iteration %d: %s records no checksums of its optimizer state (written by an earlier batchrl): "
+                       "it is loaded unverified", ctx.iteration, ctx.policy_in)
+        return RecordedState(uri=uri, sha256=None)
+    return RecordedState(uri=uri, sha256={_state_name(p): p.sha256 for p in manifest.trainer_state})
 
 
-def _previous_trainer_state(ctx: StageContext, scratch: str) -> str | None:
-    """The optimizer state saved next to this iteration's input policy (iterations > 0), made local."""
-    uri = _previous_trainer_state_uri(ctx)
-    if uri is None:
-        return None
-    if is_local(uri):
-        return uri.removeprefix("file://")
+def _state_name(part: PartInfo) -> str:
+    """A trainer-state file's path under _trainer_state/ (the manifest names it from the policy directory)."""
+    return part.name.removeprefix(f"{TRAINER_STATE_DIR}/")
+
+
+def _state_problem(uri: str, recorded: list[PartInfo] | None) -> tuple[str, str] | None:
+    """(file, what is wrong with it) for the first recorded file under ``uri`` that is missing or has another size
+    (one listing; sha256 is checked where the files are loaded). Without a record (older manifests), only
+    trainer_state.json is looked for."""
     fs, path = resolve(uri)
+    root = path.rstrip("/")
+    try:
+        fs.invalidate_cache(root)
+        sizes = {name[len(root) + 1:]: int(info.get("size") or 0) for name, info in fs.find(root, detail=True).items()}
+    except FileNotFoundError:
+        sizes = {}
+    if recorded is None:
+        return None if TRAINER_STATE_FILE in sizes else (TRAINER_STATE_FILE, "missing")
+    for part in sorted(recorded, key=lambda p: p.name):
+        name = _state_name(part)
+        if name not in sizes:
+            return name, "missing"
+        if sizes[name] != part.num_bytes:
+            return name, (f"{sizes[name]} bytes, not the {part.num_bytes} recorded when it was written (modified or "
+                          "corrupted since)")
+    return None
+
+
+def _unusable_state(ctx: StageContext, uri: str, name: str, reason: str) -> DataError:
+    """The data error for an optimizer state that cannot be restored, with the command that redoes the updates
+    from the last one whose input state is intact."""
+    redo = (f"batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update --iteration "
+            f"{_first_update_to_redo(ctx)}")
+    if reason == "missing":
+        return DataError(
+            f"iteration {ctx.iteration}'s update continues the optimizer state saved with its input policy, but "
+            f"{join(uri, name)} is gone (deleted by update.keep_last_k_optimizer_states, or by hand). Restarting "
+            f"AdamW from zero moments would silently train differently, so nothing was run. Redo the updates from the "
+            f"last one whose input state exists: {redo} (a higher keep_last_k_optimizer_states, or null, keeps more)")
+    return DataError(
+        f"{join(uri, name)}: {reason}. Iteration {ctx.iteration}'s update did not load it: loading an optimizer state "
+        f"unpickles it, so a file changed after it was written could run code in the trainer. If the run directory "
+        f"is trusted, redo the updates from the last one whose input state is intact: {redo}")
+
+
+def _first_update_to_redo(ctx: StageContext) -> int:
+    """The earliest iteration from which the updates can be redone in order: the one after the newest earlier
+    policy whose optimizer state is intact (or saved none), else 0 (which needs no state)."""
+    for earlier in range(ctx.iteration - 2, -1, -1):
+        policy_dir = ctx.layout.table_dir("policy", earlier)
+        manifest = read_manifest(policy_dir)
+        if manifest is not None and (manifest.trainer_state == [] or _state_problem(
+                join(policy_dir, TRAINER_STATE_DIR), manifest.trainer_state) is None):
+            return earlier + 1
+    return 0
+
+
+def _local_trainer_state(state: RecordedState, scratch: str) -> str:
+    """A local directory with the state's files: the run's own when local, else a download into ``scratch``."""
+    if is_local(state.uri):
+        return state.uri.removeprefix("file://")
+    fs, path = resolve(state.uri)
     target = Path(scratch) / "trainer_state_in"
     for remote in fs.find(path):
         local = target / remote[len(path.rstrip("/")) + 1:]

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from batchrl.trainer import integrity
 from batchrl.trainer.progress_file import ProgressReader
 from batchrl.trainer.spec import UpdateSpec, resolve_backend
 
@@ -55,7 +56,9 @@ def run_update(
     """Run one policy update in `spec.num_processes` local processes; return the metrics rank 0 wrote.
 
     Raises RuntimeError (with the failing rank's stderr tail) if any rank exits non-zero or the update
-    outlives `timeout_s`; the other ranks are killed first. `spec.policy_out` is only written on success.
+    outlives `timeout_s`, or TrainerStateError when the ranks refused to load a trainer state that does not
+    hash as `spec.trainer_state_sha256` records; the other ranks are killed first. `spec.policy_out` is only
+    written on success.
     `on_progress(record)` is called in this process, between polls of the ranks, with each record rank 0
     reports (see `progress_file`; e.g. to draw a bar); it runs only here, so it cannot slow the ranks, and one
     that raises is switched off with a warning rather than failing the update.
@@ -66,6 +69,7 @@ def run_update(
         raise ValueError(f"timeout_s={timeout_s} must be > 0 (or None for no limit)")
     _check_gpu_only_options(spec)
     Path(spec.metrics_path).unlink(missing_ok=True)  # never return a previous run's metrics
+    integrity.error_path(spec.metrics_path).unlink(missing_ok=True)  # nor its errors
     if resident and resolve_backend(spec.backend) == "gloo":
         with _POOL_LOCK:
             return _run_on_pool(spec, timeout_s=timeout_s, on_progress=on_progress)
@@ -88,7 +92,7 @@ def run_update(
         if poll_progress is not None:
             poll_progress()  # the records written between the last poll and the ranks' exit
         if failure is not None:
-            raise RuntimeError(failure)
+            raise _failure(spec, failure)
         logger.debug("rank 0 log tail:\n%s", _tail(workers[0]["stderr_path"]))
         logger.info("update finished in %.1f s on %d process(es)", time.perf_counter() - started, len(workers))
     return _read_metrics(spec)
@@ -197,7 +201,7 @@ def _run_on_pool(
         if poll_progress is not None:
             poll_progress()
         if failure is not None:
-            raise RuntimeError(failure)
+            raise _failure(spec, failure)
         pool.updates += 1
         logger.info("update finished in %.1f s on %d resident process(es) (update %d of these ranks)",
                     time.perf_counter() - started, len(pool.workers), pool.updates)
@@ -219,6 +223,15 @@ def _with_progress(
         spec = dataclasses.replace(spec, progress_path=str(Path(tmp) / "progress.jsonl"))
     Path(spec.progress_path).unlink(missing_ok=True)  # never replay a previous run's records
     return spec, _progress_poller(ProgressReader(spec.progress_path), on_progress)
+
+
+def _failure(spec: UpdateSpec, failure: str) -> Exception:
+    """The error to raise for failed ranks: the trainer-state mismatch rank 0 reported, else the ranks' story."""
+    mismatch = integrity.read_error(spec.metrics_path)
+    if mismatch is not None:
+        logger.debug("update ranks refused the trainer state:\n%s", failure)
+        return mismatch
+    return RuntimeError(failure)
 
 
 def _read_metrics(spec: UpdateSpec) -> dict[str, float]:

@@ -12,7 +12,9 @@ spec's path fields are therefore read as URIs of the run directory (local paths 
 by the driver:
 - inputs: the advantages parts and the previous trainer state are downloaded into the actor's node-local scratch
   directory when they are on object storage (read in place when local); the input and reference policies go
-  through `local_copy` (downloaded once per node into its model cache);
+  through `local_copy` (downloaded once per node into its model cache). A downloaded trainer state is checked
+  whole against `trainer_state_sha256` by each actor before the worker loads it (each node has its own copy, and
+  the worker's check shares the hashing out among the ranks: of one copy, it would vouch for the others);
 - outputs: the worker writes into the scratch directory, then each actor uploads what its own rank wrote: rank 0
   the HF policy (into `policy_out`), the log-probs table and the trainer state's `trainer_state.json` and DCP
   `.metadata`; every rank its own DCP shard files (`__<rank>_*.distcp`, see `checkpoint.save_trainer_state`).
@@ -44,6 +46,7 @@ from typing import Any, Callable
 
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file, write_bytes_atomic
 from batchrl.storage.cluster import Probe, alive_nodes, describe, unshared_paths
+from batchrl.trainer.integrity import TrainerStateError, verify_dir
 from batchrl.trainer.spec import UpdateSpec
 
 logger = logging.getLogger(__name__)
@@ -77,7 +80,8 @@ def run_update_on_ray(
     The spec's paths are URIs that every rank can reach (see the module docstring). Raises RuntimeError naming the
     failing rank and its error if any rank fails, or if the update outlives `timeout_s` (placement included); the
     actors are killed and the placement group removed in every case. `on_progress` is not supported (ignored).
-    Needs a connected Ray (`ray.init`, or the pipeline runner's session).
+    Needs a connected Ray (`ray.init`, or the pipeline runner's session). A trainer state that does not hash as
+    `spec.trainer_state_sha256` records raises TrainerStateError, before any rank has loaded it.
     """
     import ray
 
@@ -167,14 +171,18 @@ class RankActor:
 
 def stage_inputs(spec: UpdateSpec, scratch: Path) -> UpdateSpec:
     """`spec` with every input readable on this node and every output under `scratch` (see module docstring)."""
+    trainer_state_in = None
+    if spec.trainer_state_in is not None:
+        trainer_state_in = _local_dir(spec.trainer_state_in, scratch / "trainer_state_in")
+        if spec.trainer_state_sha256 is not None and not is_local(spec.trainer_state_in):
+            verify_dir(trainer_state_in, spec.trainer_state_sha256)
     return dataclasses.replace(
         spec,
         policy_in=local_copy(spec.policy_in),
         reference_policy=None if spec.reference_policy is None else local_copy(spec.reference_policy),
         advantages_files=[_local_file(uri, scratch / "advantages" / f"{i:05d}-{uri.rsplit('/', 1)[-1]}")
                           for i, uri in enumerate(spec.advantages_files)],
-        trainer_state_in=None if spec.trainer_state_in is None
-        else _local_dir(spec.trainer_state_in, scratch / "trainer_state_in"),
+        trainer_state_in=trainer_state_in,
         policy_out=str(scratch / "policy"),
         metrics_path=str(scratch / "metrics.json"),
         trainer_state_out=None if spec.trainer_state_out is None else str(scratch / "trainer_state"),
@@ -241,6 +249,9 @@ def _wait_for_ranks(refs: list, *, ranks: dict, deadline: float | None, timeout_
         try:
             results[rank] = ray.get(done[0])
         except ray.exceptions.RayError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, TrainerStateError):  # refused before loading: the caller reports the file
+                raise TrainerStateError(cause.name, cause.reason) from None
             raise RuntimeError(f"update rank {rank} failed on Ray: {error}") from None
     return results
 

@@ -77,6 +77,9 @@ class UpdateSpec:
     gradient_checkpointing: bool = False
     share_prompt: bool = False  # one row per prompt and several of its responses (needs max_tokens_per_micro_batch)
     trainer_state_in: str | None = None  # local dir written by a previous update's trainer_state_out
+    # sha256 of trainer_state_in's files (relative paths) as their writer recorded them: checked before loading,
+    # because loading unpickles them (see `integrity`). None: not checked (a state saved before they were recorded)
+    trainer_state_sha256: dict[str, str] | None = None
     trainer_state_out: str | None = None  # local dir for the optimizer state and step count (None: not saved)
     logprobs_out: str | None = None  # local Parquet file for the per-sample old/reference log-probs
     progress_path: str | None = None  # local JSON-lines file rank 0 appends progress to (see progress_file)

@@ -31,6 +31,9 @@ sha256 of every file it saved and reuses its memory only when the next inputs ha
 model is then the saved float32 policy and the optimizer what DCP saved, so a resident update computes what a
 fresh process would, bit for bit (tests/stages/test_trainer_resident.py).
 
+Before anything is loaded from `trainer_state_in` (DCP unpickles it), its files are hashed (the same hashing, shared
+by the ranks) and checked against the sha256 its writer recorded, `spec.trainer_state_sha256` (`integrity`).
+
 Departures from verl: dropout is off (eval mode) so that the recomputed old log-probs equal the first
 step's log-probs exactly (ratio = 1 at the first step); with gradient checkpointing the decoder layers alone
 are put in training mode, which is what transformers checks before checkpointing. Right-padded micro-batches
@@ -87,6 +90,7 @@ from batchrl.trainer.data import (
     samples_from_table,
     scatter_response_values,
 )
+from batchrl.trainer.integrity import TrainerStateError, check_digests, write_error
 from batchrl.trainer.progress_file import ProgressWriter
 from batchrl.trainer.schedule import lr_at_step, resolve_warmup_steps
 from batchrl.trainer.spec import UpdateSpec, resolve_backend
@@ -518,7 +522,8 @@ def summarize(step_metrics: list[dict[str, float]], *, spec: UpdateSpec, global_
 # where to read and write, which data, the seed. Any other difference (lr, weight decay, dtype, reference, ...)
 # rebuilds them from disk, as a fresh process would.
 PER_UPDATE_FIELDS = frozenset({"policy_in", "policy_out", "advantages_files", "metrics_path", "seed",
-                               "trainer_state_in", "trainer_state_out", "logprobs_out", "progress_path"})
+                               "trainer_state_in", "trainer_state_sha256", "trainer_state_out", "logprobs_out",
+                               "progress_path"})
 
 
 @dataclass
@@ -569,9 +574,28 @@ def file_digests(root: str, *, ctx: Dist) -> dict[str, str] | None:
     return {name: digest for part in gathered for name, digest in part.items()}
 
 
-def can_reuse(kept: Resident | None, spec: UpdateSpec, *, ctx: Dist) -> bool:
+def verified_trainer_state(spec: UpdateSpec, *, ctx: Dist) -> dict[str, str] | None:
+    """The digests of spec.trainer_state_in's files (None without one), checked against spec.trainer_state_sha256
+    (when given) before anything is loaded from them: DCP unpickles them. A collective; a mismatch raises
+    TrainerStateError on every rank (they compare the same gathered digests), and rank 0 reports it to the
+    local launcher."""
+    if spec.trainer_state_in is None:
+        return None
+    digests = file_digests(spec.trainer_state_in, ctx=ctx) or {}
+    if spec.trainer_state_sha256 is not None:
+        try:
+            check_digests(spec.trainer_state_sha256, digests)
+        except TrainerStateError as error:
+            if ctx.rank == 0:
+                write_error(spec.metrics_path, error)
+            raise
+    return digests
+
+
+def can_reuse(kept: Resident | None, spec: UpdateSpec, *, ctx: Dist, state_files: dict[str, str] | None) -> bool:
     """True when `spec` continues from exactly what `kept` holds: same settings, its policy_in has the bytes of the
-    policy `kept` saved, and its trainer_state_in (if any) those of the trainer state `kept` saved.
+    policy `kept` saved, and its trainer state (`state_files`: the digests of trainer_state_in's files, if any)
+    those of the trainer state `kept` saved.
 
     Every branch depends on values that are equal on all ranks, so all ranks take the same collectives."""
     if kept is None or spec_settings(spec) != kept.settings:
@@ -580,7 +604,7 @@ def can_reuse(kept: Resident | None, spec: UpdateSpec, *, ctx: Dist) -> bool:
         return False
     if file_digests(spec.policy_in, ctx=ctx) != kept.policy_files:
         return False
-    return spec.trainer_state_in is None or file_digests(spec.trainer_state_in, ctx=ctx) == kept.state_files
+    return spec.trainer_state_in is None or state_files == kept.state_files
 
 
 def new_optimizer(model: torch.nn.Module, spec: UpdateSpec) -> torch.optim.Optimizer:
@@ -630,7 +654,8 @@ def update(
     table = read_advantages(spec.advantages_files)
     check_advantages(table, needs_rollout_logprobs=spec.old_logprobs == "rollout" or spec.rollout_is_cap is not None)
     samples = samples_from_table(table)
-    reused = can_reuse(kept, spec, ctx=ctx)
+    state_files = verified_trainer_state(spec, ctx=ctx)
+    reused = can_reuse(kept, spec, ctx=ctx, state_files=state_files)
     if reused:
         model, optimizer, tokenizer, start_step = reuse_trainer(kept, spec)
     else:

@@ -1,7 +1,8 @@
 """Faults, for real: the driver SIGKILLed at random moments, damaged and stray part files, a Ray worker killed
-mid-stage, object storage going away mid-stage. After each, a resumed run ends with exactly the rows of an
-uninterrupted run: nothing lost, nothing duplicated. Tiny runs (8 prompts, 2 samples, 8 new tokens, the HF
-engine, a 1-process update) so that several fit in a few minutes on 2 cores."""
+mid-stage, object storage going away mid-stage, SIGTERM mid-stage (exit 4). After each, a resumed run ends with
+exactly the rows of an uninterrupted run: nothing lost, nothing duplicated; and a SIGKILLed driver leaves no
+process behind. Tiny runs (8 prompts, 2 samples, 8 new tokens, the HF engine, a 1-process update) so that
+several fit in a few minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -193,7 +195,7 @@ def test_a_driver_killed_at_random_moments_resumes_to_exactly_the_rows_of_an_uni
         assert final.returncode == 0, final.stderr[-4000:] + "\n".join(history)
     finally:
         for pgid in groups:
-            kill_group(pgid)  # Ray agents and update ranks that outlived their killed driver
+            kill_group(pgid)  # whatever outlived its killed driver (the watchdog should have stopped it all)
     logger.info("kill schedule and the state each kill left:\n%s", "\n".join(history))
     assert sum("SIGKILL" in h for h in history) >= 2, "\n".join(history)
     assert_same_rows(expected_run, run)
@@ -308,3 +310,184 @@ def _outage_when(s3, backend_fs, marker: str, seconds: float) -> None:
     s3.stop()
     time.sleep(seconds)
     s3.start()
+
+
+STAGE_DIRS = [f"iter_{i:04d}/{t}" for i in range(ITERATIONS) for t in ("rollouts", "scores", "advantages", "policy")]
+
+
+def started_at(run: Path) -> dict[str, float]:
+    """When each committed stage of ``run`` started, by table directory: a redone stage starts later."""
+    return {rel: read_json(run / rel / "_MANIFEST.json")["started_at"] for rel in STAGE_DIRS
+            if (run / rel / "_MANIFEST.json").exists()}
+
+
+def test_a_policy_redone_into_the_same_weights_keeps_every_stage_made_from_it(reference):
+    path, expected_run = reference
+    run = copy_run(expected_run, "policy-redone")
+    before = started_at(run)
+    (run / "iter_0000" / "policy" / "_MANIFEST.json").unlink()
+    result = batchrl("run", str(path), "--run-id", "policy-redone")
+    assert result.returncode == 0, result.stderr[-4000:]
+    after = started_at(run)
+    assert [rel for rel in STAGE_DIRS if after[rel] != before[rel]] == ["iter_0000/policy"]
+    assert_same_rows(expected_run, run)  # a deterministic update reproduces its weights: iteration 1 is still theirs
+
+
+def test_an_update_whose_optimizer_state_is_gone_stops_with_exit_3_and_the_redo_it_names_reproduces_the_run(
+        reference):
+    path, expected_run = reference
+    run = copy_run(expected_run, "state-gone")
+    shutil.rmtree(run / "iter_0000" / "policy" / "_trainer_state")  # as keep_last_k_optimizer_states prunes it
+    (run / "iter_0001" / "policy" / "_MANIFEST.json").unlink()
+    stopped = batchrl("run", str(path), "--run-id", "state-gone")
+    assert stopped.returncode == 3, stopped.stderr[-4000:]  # not AdamW silently restarted from zero moments
+    assert "iter_0000/policy/_trainer_state/" in stopped.stderr and "is gone" in stopped.stderr, stopped.stderr
+    command = "--from-stage update --iteration 0"
+    assert command in stopped.stderr, stopped.stderr[-4000:]
+
+    before = started_at(run)
+    redone = batchrl("run", str(path), "--run-id", "state-gone", *command.split())
+    assert redone.returncode == 0, redone.stderr[-4000:]
+    after = started_at(run)
+    assert [rel for rel in STAGE_DIRS if after[rel] == before.get(rel)] == [
+        "iter_0000/rollouts", "iter_0000/scores", "iter_0000/advantages"]
+    assert_same_rows(expected_run, run)  # the optimizer state restored exactly: the same weights as before
+
+
+def test_stages_made_from_a_table_that_was_redone_differently_are_redone_even_without_its_old_manifest(
+        reference, tmp_path):
+    path, expected_run = reference
+    run = copy_run(expected_run, "scores-redone")
+    changed_reward = tmp_path / "changed_reward"  # the reward's code changed: its fingerprint cannot tell
+    changed_reward.mkdir()
+    (changed_reward / "custom_rewards.py").write_text(
+        "def digit_count(response, ground_truth, **row):\n    return float(len(response))\n")
+    before = started_at(run)
+    shutil.rmtree(run / "iter_0001" / "scores")
+    tests = REPO / "tests"
+    python_path = os.pathsep.join(str(p) for p in (changed_reward, tests / "stages", tests / "pipeline"))
+    result = batchrl("run", str(path), "--run-id", "scores-redone", env={"PYTHONPATH": python_path})
+    assert result.returncode == 0, result.stderr[-4000:]
+    after = started_at(run)
+    assert [rel for rel in STAGE_DIRS if after[rel] != before[rel]] == [
+        "iter_0001/scores", "iter_0001/advantages", "iter_0001/policy"]
+    from batchrl.pipeline.manifest import Manifest, content_digest
+
+    scores = Manifest.from_json((run / "iter_0001" / "scores" / "_MANIFEST.json").read_text())
+    advantages = read_json(run / "iter_0001" / "advantages" / "_MANIFEST.json")
+    assert advantages["inputs"]["scores"] == content_digest(scores)
+    weights = "iter_0001/policy/model.safetensors"
+    assert sha256(run / weights) != sha256(expected_run / weights)  # trained on other advantages
+
+
+class CreatesAFileWhenUnpickled:
+    """A planted pickle: unpickling it runs Path.touch, where an attacker's would run anything."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def test_an_optimizer_state_file_changed_after_it_was_written_is_never_unpickled_and_the_run_exits_3(
+        reference, tmp_path):
+    path, expected_run = reference
+    run = copy_run(expected_run, "state-tampered")
+    marker = tmp_path / "code-ran"
+    metadata = run / "iter_0000" / "policy" / "_trainer_state" / "optimizer" / ".metadata"
+    planted = pickle.dumps(CreatesAFileWhenUnpickled(marker))
+    size = metadata.stat().st_size
+    assert len(planted) < size
+    metadata.write_bytes(planted + b"\0" * (size - len(planted)))  # same size: only its sha256 can tell
+    (run / "iter_0001" / "policy" / "_MANIFEST.json").unlink()  # iteration 1's update is redone: it loads the state
+    result = batchrl("run", str(path), "--run-id", "state-tampered")
+    assert not marker.exists(), "the planted optimizer state was unpickled"
+    assert result.returncode == 3, result.stderr[-4000:]
+    assert f"data error: {metadata}: sha256 " in result.stderr and "did not load it" in result.stderr, \
+        result.stderr[-4000:]
+
+
+UPDATE_RANK = "batchrl.trainer.worker"
+
+
+def session_processes(sid: int) -> list[str]:
+    """Command lines of the live processes of session ``sid``: a run started by start_batchrl and everything it
+    started (Ray's processes and update ranks stay in their driver's session). Zombies are not counted: they hold
+    nothing, and whether they are reaped is up to init."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != b"Z":
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+    return found
+
+
+def wait_until_none_left(sid: int, *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while session_processes(sid):
+        assert time.monotonic() < deadline, f"still running {timeout:.0f} s later: {session_processes(sid)}"
+        time.sleep(0.2)
+
+
+def stopped_with_sigterm(path: Path, run: Path, moment, *, log: Path, again_after: float | None = None) -> str:
+    """Starts (or resumes) the run, SIGTERMs its driver once ``moment(process)`` is true (and again ``again_after``
+    s later, during the clean-up), checks that it stopped as schedulers expect; returns its output."""
+    process = start_batchrl("run", str(path), "--run-id", run.name, log=log)
+    try:
+        wait_for(lambda: moment(process) or process.poll() is not None, timeout=600)
+        assert process.poll() is None, f"the run ended before the moment to stop it:\n{log.read_text()[-4000:]}"
+        process.send_signal(signal.SIGTERM)
+        if again_after is not None:
+            time.sleep(again_after)
+            process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+        output = log.read_text()
+        assert code == 4, output[-4000:]
+        assert "interrupted (SIGTERM): run again with the same command to resume" in output, output[-4000:]
+        assert "Traceback" not in output and "SIGTERM received at time" not in output, output[-4000:]
+        assert not (run / "run.lock").exists()
+        wait_until_none_left(process.pid, timeout=30)  # Ray, update ranks, the watchdog
+        return output
+    finally:
+        kill_group(process.pid)
+
+
+def test_sigterm_during_a_ray_stage_and_during_the_update_exits_4_and_the_resumed_run_equals_an_uninterrupted_one(
+        reference, tmp_path):
+    path, expected_run = reference
+    run = expected_run.parent / "sigterm"
+    rollouts = run / "iter_0000" / "rollouts"
+    stopped_with_sigterm(path, run, lambda _: (rollouts / "_STARTED.json").exists(), log=tmp_path / "generate.log")
+    assert not (rollouts / "_MANIFEST.json").exists()  # stopped in the middle of generation on Ray actors
+
+    def update_rank_started(process):
+        return any(UPDATE_RANK in command for command in session_processes(process.pid))
+
+    output = stopped_with_sigterm(path, run, update_rank_started, log=tmp_path / "update.log", again_after=0.2)
+    assert "iter 0 update: running" in output and not (run / "iter_0000" / "policy" / "_MANIFEST.json").exists()
+    assert "SIGTERM received while stopping: finishing the clean-up first" in output
+
+    resumed = batchrl("run", str(path), "--run-id", "sigterm")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert_same_rows(expected_run, run)
+
+
+def test_a_driver_killed_with_sigkill_mid_stage_leaves_no_process_behind(tmp_path, toy_model_dir, toy_prompts_dir):
+    path = pipeline_file(tmp_path, toy_model_dir=toy_model_dir, train_files=[toy_prompts_dir],
+                         root=str(tmp_path / "runs"), iterations=1)
+    process = start_batchrl("run", str(path), "--run-id", "killed", log=tmp_path / "killed.log")
+    try:
+        generating = tmp_path / "runs" / "killed" / "iter_0000" / "rollouts" / "_STARTED.json"
+        wait_for(lambda: generating.exists() or process.poll() is not None, timeout=600)
+        running = session_processes(process.pid)
+        # the raylet's agents are what outlived a killed driver; update ranks: tests/unit/test_reaper.py
+        assert any("raylet" in c for c in running) and any("ray::DashboardAgent" in c for c in running), running
+        os.kill(process.pid, signal.SIGKILL)  # the driver alone, as the OOM killer would
+        process.wait()
+        wait_until_none_left(process.pid, timeout=30)
+    finally:
+        kill_group(process.pid)

@@ -9,6 +9,7 @@ this is exactly what `make demo` prints.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -54,3 +55,13 @@ def test_the_quickstart_raises_held_out_accuracy_by_25_points(tmp_path):
         assert {"critic/score/mean", "actor/ppo_kl", "response_length/mean"} <= set(m)
     assert metrics[-1]["critic/score/mean"] > metrics[0]["critic/score/mean"]  # training reward rose too
     assert metrics[0][f"initial/{GREEDY}"] == before[GREEDY] and metrics[-1][GREEDY] == after[GREEDY]
+    assert_quiet(done)
+
+
+def assert_quiet(done: subprocess.CompletedProcess) -> None:
+    """Without --verbose, stderr holds batchrl's own log lines only (no engine, Ray, c10 or transformers chatter,
+    no progress bar: stderr is not a terminal here), and stdout the summary without any library's warning."""
+    foreign = [line for line in done.stderr.splitlines()
+               if line.strip() and not re.match(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) batchrl", line)]
+    assert foreign == [], "\n".join(foreign[:20])
+    assert "WARNING" not in done.stdout and "Failed to load weights" not in done.stdout, done.stdout[:3000]

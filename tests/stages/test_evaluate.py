@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from batchrl.config import ConfigError, validate_dict
-from batchrl.pipeline.stage import StageContext
+from batchrl.pipeline.stage import DataError, StageContext
 from batchrl.rewards.gsm8k import gsm8k_strict
 from batchrl.stages.evaluate import (
     EvaluateStage,
@@ -100,6 +100,12 @@ def test_config_mistakes_are_config_errors(tmp_path, toy_model_dir, toy_prompts_
         EvaluateStage().check_inputs(config(tmp_path, toy_model_dir, [str(tmp_path / "missing")]))
     with pytest.raises(ConfigError, match="evaluate.max_new_tokens=9 exceeds generate.max_new_tokens=6"):
         EvaluateStage().check_inputs(config(tmp_path, toy_model_dir, [toy_prompts_dir], {"max_new_tokens": 9}))
+
+
+def test_an_unreadable_held_out_file_is_a_data_error_naming_evaluate_files(tmp_path, toy_model_dir):
+    (tmp_path / "held_out.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=f"evaluate.files: {tmp_path / 'held_out.parquet'} is not a readable Parquet"):
+        EvaluateStage().check_inputs(config(tmp_path, toy_model_dir, [str(tmp_path / "held_out.parquet")]))
 
 
 def test_compare_reports_core_metrics_in_points():

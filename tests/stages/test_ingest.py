@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from decimal import Decimal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from batchrl.config import validate_dict
+from batchrl.config.models import ScoreConfig
 from batchrl.pipeline.stage import DataError, StageContext
-from batchrl.stages.ingest import IngestStage
+from batchrl.rewards.gsm8k import gsm8k_strict
+from batchrl.stages.ingest import IngestStage, ground_truth_text
 from batchrl.storage import RunLayout, read_parquet
 from batchrl.toy import build_toy_tokenizer
 
@@ -96,7 +100,7 @@ def test_missing_input_path_is_a_data_error(tmp_path, tokenizer_dir):
 
 
 def test_all_rows_rejected_is_a_data_error_not_an_empty_table(tmp_path, tokenizer_dir):
-    path = write_ours(tmp_path / "e.parquet", [{"prompt": "", "ground_truth": "1"}])
+    path = write_ours(tmp_path / "e.parquet", [{"prompt": "", "ground_truth": "1", "data_source": "arith"}])
     with pytest.raises(DataError, match="no valid prompts"):
         IngestStage().run(make_ctx(tmp_path, tokenizer_dir, [path]))
 
@@ -115,3 +119,87 @@ def test_overlong_prompts_can_be_truncated_and_are_counted(tmp_path, tokenizer_d
         assert long_row["prompt_text"].endswith("<|im_start|>assistant\n")
     else:
         assert long_row["prompt_text"].startswith("<|im_start|>user\n")
+
+
+def test_a_float_ground_truth_is_written_without_a_trailing_zero_so_a_correct_answer_scores_1(tmp_path, tokenizer_dir):
+    rows = [{"prompt_id": "a", "data_source": "arith", "prompt": "What is 12 + 7?", "ground_truth": 19.0},
+            {"prompt_id": "b", "data_source": "arith", "prompt": "What is 5 / 2?", "ground_truth": 2.5},
+            {"prompt_id": "c", "data_source": "arith", "prompt": "What is 0 / 0?", "ground_truth": float("nan")},
+            {"prompt_id": "d", "data_source": "arith", "prompt": "What is 1 / 0?", "ground_truth": float("inf")}]
+    ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "f.parquet", rows)])
+    out = IngestStage().run(ctx)
+    written = read_parquet(f"{ctx.output_dir}/part-00000.parquet").to_pylist()
+    assert [(r["prompt_id"], r["ground_truth"]) for r in written] == [("a", "19"), ("b", "2.5")]
+    assert gsm8k_strict("12 + 7 = 19\n#### 19", written[0]["ground_truth"]) == 1.0
+    assert out.counts["rejected/bad_ground_truth"] == 2
+    rejects = read_parquet(f"{ctx.output_dir}/{out.extra_parts['rejects'][0].name}").to_pylist()
+    assert {r["prompt_id"]: r["detail"] for r in rejects} == {"c": "ground truth is nan, not a number an answer can "
+                                                             "equal", "d": "ground truth is inf, not a number an "
+                                                             "answer can equal"}
+
+
+@pytest.mark.parametrize(("value", "text"), [(19, "19"), (19.0, "19"), (-0.0, "0"), (2.5, "2.5"), (1e-05, "0.00001"),
+                                             (1e20, "100000000000000000000"), (Decimal("7.50"), "7.5"),
+                                             ("19.0", "19.0")])
+def test_numeric_ground_truths_become_the_text_a_response_would_write(value, text):
+    assert ground_truth_text(value) == (text, None)
+
+
+def test_an_int_ground_truth_column_in_verls_layout_is_kept_as_its_digits(tmp_path, tokenizer_dir):
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+             "reward_model": {"style": "rule", "ground_truth": 4}}]
+    ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "verl.parquet", rows)])
+    IngestStage().run(ctx)
+    assert read_parquet(f"{ctx.output_dir}/part-00000.parquet").to_pylist()[0]["ground_truth"] == "4"
+
+
+def test_unknown_roles_and_non_text_prompts_are_rejected_with_an_accurate_reason(tmp_path, tokenizer_dir):
+    chat = [{"prompt_id": "ok", "data_source": "arith", "ground_truth": "2",
+             "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}]},
+            {"prompt_id": "robot", "data_source": "arith", "ground_truth": "2",
+             "prompt": [{"role": "robot", "content": "beep"}, {"role": "user", "content": "1 + 1?"}]}]
+    numbers = [{"prompt_id": "n", "data_source": "arith", "ground_truth": "2", "prompt": 42}]
+    files = [write_ours(tmp_path / "chat.parquet", chat), write_ours(tmp_path / "numbers.parquet", numbers)]
+    ctx = make_ctx(tmp_path, tokenizer_dir, files)
+    out = IngestStage().run(ctx)
+    assert out.counts["prompts"] == 1
+    rejects = read_parquet(f"{ctx.output_dir}/{out.extra_parts['rejects'][0].name}").to_pylist()
+    assert {(r["prompt_id"], r["reason"]) for r in rejects} == {("robot", "bad_role"), ("n", "bad_prompt")}
+    detail = {r["prompt_id"]: r["detail"] for r in rejects}
+    assert "'robot'" in detail["robot"] and "int" in detail["n"]
+
+
+def test_a_file_without_rows_is_named_when_no_prompt_is_left(tmp_path, tokenizer_dir):
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "ground_truth": pa.array([], pa.string()),
+                             "data_source": pa.array([], pa.string())}), empty)
+    with pytest.raises(DataError, match=f"no valid prompts in {empty}: 0 row.*with no rows: {empty}"):
+        IngestStage().run(make_ctx(tmp_path, tokenizer_dir, [empty]))
+    with pytest.raises(DataError, match=f"every input file is empty \\(0 rows\\): {empty}"):
+        IngestStage().check_inputs(make_ctx(tmp_path, tokenizer_dir, [empty]).cfg)
+
+
+def test_without_a_data_source_column_rewards_by_data_source_are_a_data_error_naming_file_and_column(
+        tmp_path, tokenizer_dir):
+    path = write_ours(tmp_path / "nods.parquet", [{"prompt": "What is 1 + 1?", "ground_truth": "2"}])
+    ctx = make_ctx(tmp_path, tokenizer_dir, [path])
+    for check in (lambda: IngestStage().check_inputs(ctx.cfg), lambda: IngestStage().run(ctx)):
+        with pytest.raises(DataError, match=f"{path} has no 'data_source' column.*score.rewards"):
+            check()
+    listed = ctx.cfg.model_copy(update={"score": ScoreConfig(rewards=[{"reward": "gsm8k"}])})
+    IngestStage().check_inputs(listed)  # with the rewards listed, data_source picks nothing: not needed
+    out = IngestStage().run(dataclasses.replace(ctx, cfg=listed))
+    assert out.counts["data_source/unknown"] == 1
+
+
+@pytest.mark.parametrize("content", [b"", b"prompt,ground_truth\n1+1?,2\n"], ids=["zero_bytes", "csv"])
+def test_an_unreadable_input_file_is_a_data_error_naming_it_before_anything_is_written(tmp_path, tokenizer_dir,
+                                                                                       content):
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(content)
+    ctx = make_ctx(tmp_path, tokenizer_dir, [path])
+    with pytest.raises(DataError, match=f"data.train_files: {path} is not a readable Parquet file"):
+        IngestStage().check_inputs(ctx.cfg)
+    with pytest.raises(DataError, match=f"{path} is not a readable Parquet file"):
+        IngestStage().run(ctx)
+    assert not (tmp_path / "runs").exists()

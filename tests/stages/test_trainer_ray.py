@@ -84,10 +84,17 @@ def two_updates(launch, *, out: Path, policies, advantages_files) -> list[Path]:
     return outs
 
 
-def same_logprobs(table_a: pa.Table, table_b: pa.Table, *, atol: float = 1e-6) -> bool:
-    """Equal keys and counts; log-probs equal to atol (ranks with other thread counts sum in another order)."""
+# Ranks with other thread counts reduce in another order, so a float32 log-prob may differ in its last bits:
+# ~8 ulps of float32 (eps 1.19e-7) of the value, or of the logits (~1) it was computed from near 0.
+LOGPROB_RTOL = LOGPROB_ATOL = 8 * float(np.finfo(np.float32).eps)
+
+
+def same_logprobs(table_a: pa.Table, table_b: pa.Table) -> bool:
+    """Equal keys and counts; log-probs equal to float32 rounding, per token, and their float64 sums over a sample's
+    loss tokens to the same bound times the number of tokens summed (each term brings its own rounding)."""
     if table_a.schema != table_b.schema or table_a.num_rows != table_b.num_rows:
         return False
+    terms = table_a["num_loss_tokens"].to_numpy()
     for name in table_a.column_names:
         a, b = table_a[name].combine_chunks(), table_b[name].combine_chunks()
         if pa.types.is_list(a.type):
@@ -95,8 +102,10 @@ def same_logprobs(table_a: pa.Table, table_b: pa.Table, *, atol: float = 1e-6) -
                 return False
             a, b = a.flatten(), b.flatten()
         if pa.types.is_floating(a.type):
-            if not np.allclose(a.to_numpy(zero_copy_only=False), b.to_numpy(zero_copy_only=False), atol=atol, rtol=0,
-                               equal_nan=True):
+            a, b = a.to_numpy(zero_copy_only=False), b.to_numpy(zero_copy_only=False)
+            scale = np.maximum(terms, 1) if name.endswith("_sum") else 1
+            if not np.all(np.isclose(a, b, rtol=LOGPROB_RTOL, atol=0, equal_nan=True)
+                          | (np.abs(a - b) <= LOGPROB_ATOL * scale)):
                 return False
         elif a != b:
             return False
@@ -185,3 +194,60 @@ def test_ranks_the_cluster_cannot_place_fail_with_what_was_asked_and_what_the_cl
     with pytest.raises(RuntimeError, match=r"could not place 2 rank\(s\) of \{'CPU': 3.0\}(.|\n)*'CPU': 2.0"):
         run_update_on_ray(spec, cpus_per_rank=3, timeout_s=TIMEOUT_S)
     assert placement_groups_left() == []
+
+
+def tampered_trainer_state(root: Path, marker: Path) -> tuple[Path, dict[str, str]]:
+    """A trainer-state directory whose `.metadata` was replaced by a pickle that creates `marker` when loaded, and
+    the sha256 its writer recorded (the files need not be a loadable state: a refused one is never opened)."""
+    import pickle
+
+    from test_trainer_resume import CreatesAFileWhenUnpickled
+
+    from batchrl.trainer.integrity import file_sha256
+
+    files = {"trainer_state.json": b'{"global_step": 1}', "optimizer/.metadata": b"metadata as DCP wrote it",
+             "optimizer/__0_0.distcp": b"moments"}
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    recorded = {name: file_sha256(root / name) for name in files}
+    (root / "optimizer" / ".metadata").write_bytes(pickle.dumps(CreatesAFileWhenUnpickled(marker)))
+    return root, recorded
+
+
+def test_ray_ranks_refuse_a_trainer_state_that_does_not_hash_as_recorded_before_loading_it(
+        ray_session, tmp_path, policies, advantages_files):
+    from batchrl.trainer.integrity import TrainerStateError
+
+    marker = tmp_path / "code-ran"
+    state, recorded = tampered_trainer_state(tmp_path / "state", marker)
+    spec = UpdateSpec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
+                      advantages_files=advantages_files, metrics_path=str(tmp_path / "metrics.json"),
+                      reference_policy=str(policies[0]),
+                      trainer_state_in=str(state), trainer_state_sha256=recorded, **OPTIONS)
+    with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256"):
+        run_update_on_ray(spec, timeout_s=TIMEOUT_S)
+    assert not marker.exists() and placement_groups_left() == []
+
+
+def test_a_ray_actor_checks_the_whole_trainer_state_it_downloads(tmp_path, policies, advantages_files):
+    """Each node downloads its own copy: the worker's check, shared out among the ranks, would vouch for one copy's
+    files by another's hashes; so the actor checks all of its copy first."""
+    import fsspec
+
+    from batchrl.trainer.integrity import TrainerStateError
+    from batchrl.trainer.ray_launch import stage_inputs
+
+    marker = tmp_path / "code-ran"
+    state, recorded = tampered_trainer_state(tmp_path / "state", marker)
+    remote = fsspec.filesystem("memory")
+    for path in state.rglob("*"):
+        if path.is_file():
+            remote.pipe_file(f"/{tmp_path.name}/state/{path.relative_to(state).as_posix()}", path.read_bytes())
+    spec = UpdateSpec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
+                      advantages_files=advantages_files, metrics_path=str(tmp_path / "metrics.json"),
+                      trainer_state_in=f"memory://{tmp_path.name}/state",
+                      trainer_state_sha256=recorded)
+    with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256"):
+        stage_inputs(spec, tmp_path / "scratch")
+    assert not marker.exists()

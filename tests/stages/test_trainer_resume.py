@@ -8,7 +8,10 @@ the second epoch of a single two-epoch update takes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ import torch
 from test_trainer import load_weights, synthetic_rows, write_advantages
 
 from batchrl.trainer import UpdateSpec, run_update
+from batchrl.trainer.integrity import TrainerStateError, file_sha256
 
 LR = 1e-3  # large enough that a step without Adam's carried moments lands visibly elsewhere
 TIMEOUT_S = 120
@@ -67,7 +71,8 @@ def runs(workdir, tiny_policy, advantages_files):
             specs = {
                 "first": lambda: spec("first", num_processes=2, trainer_state_out=str(first / "state")),
                 "second": lambda: spec("second", policy_in=str(_run("first")[1].policy_out),
-                                       trainer_state_in=str(first / "state")),
+                                       trainer_state_in=str(first / "state"),
+                                       trainer_state_sha256=recorded_digests(first / "state")),
                 "fresh": lambda: spec("fresh", policy_in=str(_run("first")[1].policy_out)),
                 "both_epochs": lambda: spec("both_epochs", ppo_epochs=2),
             }
@@ -76,6 +81,21 @@ def runs(workdir, tiny_policy, advantages_files):
         return _RUNS[name]
 
     return _run
+
+
+def recorded_digests(state_dir: Path) -> dict[str, str]:
+    """What the stage records of a saved trainer state: sha256 by path under it."""
+    return {p.relative_to(state_dir).as_posix(): file_sha256(p) for p in state_dir.rglob("*") if p.is_file()}
+
+
+class CreatesAFileWhenUnpickled:
+    """A planted pickle: unpickling it runs Path.touch, where an attacker's would run anything."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
 
 
 def max_weight_diff(a: Path, b: Path) -> float:
@@ -97,6 +117,34 @@ def test_two_updates_carrying_the_optimizer_state_equal_one_update_of_two_epochs
     assert max_weight_diff(Path(fresh.policy_out), Path(both.policy_out)) > 1e-4  # the state is what matters
     assert sorted(p.name for p in Path(runs("first")[1].trainer_state_out).rglob("*")) == sorted(
         ["optimizer", ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"])
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_trainer_state_file_that_does_not_hash_as_recorded_is_refused_before_it_is_unpickled(runs, tmp_path,
+                                                                                               resident):
+    from batchrl.trainer import shutdown_trainers
+
+    _, first = runs("first")
+    state = tmp_path / "state"
+    shutil.copytree(first.trainer_state_out, state)
+    recorded = recorded_digests(state)
+    marker = tmp_path / "code-ran"
+    planted = pickle.dumps(CreatesAFileWhenUnpickled(marker))
+    pickle.loads(planted)  # the planted file does run code when unpickled...
+    assert marker.exists()
+    marker.unlink()
+    (state / "optimizer" / ".metadata").write_bytes(planted)
+    spec = dataclasses.replace(first, policy_in=first.policy_out, num_processes=1, trainer_state_in=str(state),
+                               trainer_state_sha256=recorded, trainer_state_out=None,
+                               policy_out=str(tmp_path / "policy"), metrics_path=str(tmp_path / "metrics.json"),
+                               logprobs_out=str(tmp_path / "logprobs.parquet"))
+    try:
+        with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256 .* is not the .* recorded"):
+            run_update(spec, timeout_s=TIMEOUT_S, resident=resident)
+    finally:
+        shutdown_trainers()
+    assert not marker.exists()  # ...but the rank refused it before loading
+    assert not Path(spec.policy_out).exists()
 
 
 def test_the_kl_loss_is_zero_at_the_first_step_when_the_reference_is_the_policy(runs):
@@ -167,24 +215,70 @@ def stage_context(tmp_path: Path, *, iteration: int, keep: int | None):
                         fingerprint="f", inputs={}, input_dirs={}, policy_in=layout.table_dir("policy", iteration - 1))
 
 
+def committed_policy(policy_dir: Path, *, state: bool | None = True) -> None:
+    """A policy as its update commits it: weights, and (state=True) an optimizer state whose files its manifest
+    records with their sha256; state=False: the update saved none; None: a manifest of an older batchrl (no record)."""
+    from batchrl.pipeline.manifest import Manifest, PartInfo, write_manifest
+
+    files = {"model.safetensors": b"weights"}
+    if state is not False:
+        files |= {"_trainer_state/trainer_state.json": b'{"global_step": 1}',
+                  "_trainer_state/optimizer/.metadata": b"metadata", "_trainer_state/optimizer/__0_0.distcp": b"x"}
+    for name, data in files.items():
+        (policy_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (policy_dir / name).write_bytes(data)
+    listed = [PartInfo(name, 0, file_sha256(policy_dir / name), len(data)) for name, data in files.items()]
+    write_manifest(str(policy_dir), Manifest(
+        stage="update", table="policy", iteration=0, fingerprint="f", parts=listed[:1], schema="", started_at=0.0,
+        finished_at=1.0, trainer_state=None if state is None else listed[1:]))
+
+
 @pytest.mark.parametrize("keep, kept", [(1, [2]), (2, [1, 2]), (None, [0, 1, 2])])
 def test_an_update_deletes_optimizer_states_older_than_the_last_k_but_never_policies(tmp_path, keep, kept):
-    from batchrl.stages.update import _previous_trainer_state, _prune_trainer_states
+    from batchrl.stages.update import _prune_trainer_states, _recorded_trainer_state
 
     ctx = stage_context(tmp_path, iteration=3, keep=keep)
     for iteration in range(3):
-        policy = Path(ctx.layout.table_dir("policy", iteration))
-        (policy / "_trainer_state" / "optimizer").mkdir(parents=True)
-        (policy / "_trainer_state" / "trainer_state.json").write_text('{"global_step": 1}')
-        (policy / "model.safetensors").write_bytes(b"weights")
+        committed_policy(Path(ctx.layout.table_dir("policy", iteration)))
 
     _prune_trainer_states(ctx)
 
     states = [i for i in range(3) if Path(ctx.layout.table_dir("policy", i), "_trainer_state").exists()]
     assert states == kept  # the state this update resumes from (iteration 2) always survives
     assert all(Path(ctx.layout.table_dir("policy", i), "model.safetensors").exists() for i in range(3))
-    assert _previous_trainer_state(ctx, str(tmp_path)) == str(Path(ctx.policy_in) / "_trainer_state")
-    assert _previous_trainer_state(stage_context(tmp_path, iteration=0, keep=keep), str(tmp_path)) is None
+    state = _recorded_trainer_state(ctx)
+    assert state.uri == str(Path(ctx.policy_in) / "_trainer_state")
+    assert state.sha256 == recorded_digests(Path(state.uri))
+    assert _recorded_trainer_state(stage_context(tmp_path, iteration=0, keep=keep)) is None
+
+
+def test_an_update_whose_optimizer_state_is_gone_stops_with_the_iteration_to_redo_the_updates_from(tmp_path):
+    from batchrl.pipeline.stage import DataError
+    from batchrl.stages.update import _recorded_trainer_state
+
+    ctx = stage_context(tmp_path, iteration=3, keep=1)
+    for iteration in range(3):
+        committed_policy(Path(ctx.layout.table_dir("policy", iteration)))
+    shutil.rmtree(Path(ctx.layout.table_dir("policy", 0), "_trainer_state"))  # as keep-last-1 pruning leaves it
+    (Path(ctx.policy_in) / "_trainer_state" / "optimizer" / "__0_0.distcp").unlink()
+    with pytest.raises(DataError, match=r"iter_0002/policy/_trainer_state/optimizer/__0_0.distcp is gone.*"
+                                        r"--from-stage update --iteration 2 "):
+        _recorded_trainer_state(ctx)  # iteration 1's state is intact: updates 2 and 3 can be redone from it
+    shutil.rmtree(Path(ctx.layout.table_dir("policy", 1), "_trainer_state"))
+    with pytest.raises(DataError, match=r"--from-stage update --iteration 0 "):
+        _recorded_trainer_state(ctx)  # none left: iteration 0's update is the first that needs none
+
+
+def test_an_update_restarts_adam_only_after_an_update_that_saved_no_state_and_trusts_older_manifests_unverified(
+        tmp_path, caplog):
+    from batchrl.stages.update import _recorded_trainer_state
+
+    ctx = stage_context(tmp_path, iteration=1, keep=1)
+    committed_policy(Path(ctx.policy_in), state=False)  # iteration 0 had nothing to train on
+    assert _recorded_trainer_state(ctx) is None
+    committed_policy(Path(ctx.policy_in), state=None)
+    state = _recorded_trainer_state(ctx)
+    assert state.sha256 is None and "loaded unverified" in caplog.text
 
 
 def test_extending_a_run_keeps_update_fingerprints_unless_the_lr_schedule_spans_the_run():

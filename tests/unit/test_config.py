@@ -77,6 +77,35 @@ def test_invalid_yaml_reports_the_line(tmp_path):
         load_pipeline(path)
 
 
+def test_invalid_yaml_names_the_line_an_unclosed_bracket_or_quote_opens_on(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: t\nmodel:\n  path: m\ndata: {train_files: [a, b\ngenerate:\n  temperature: 1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml line 4: not valid YAML \(while parsing a flow sequence started "
+                                          r"on this line: .* on line 5\)"):
+        load_pipeline(path)
+    path.write_text("name: t\nmodel:\n  path: 'm\ndata: {}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml line 3: not valid YAML \(while scanning a quoted scalar"):
+        load_pipeline(path)
+    path.write_text("name: t\nmodel:\n  path: m\n   bad: 2\n")  # no bracket: the problem's own line
+    with pytest.raises(ConfigError, match=r"bad\.yaml line 4: not valid YAML \(mapping values are not allowed"):
+        load_pipeline(path)
+
+
+def test_a_bad_set_key_is_blamed_on_the_set_override_not_the_pipeline_file(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError) as caught:
+        load_pipeline(path, overrides=["generate.temprature=0.7", "run.iterations=0"])
+    lines = str(caught.value).splitlines()
+    assert sorted(lines) == sorted([
+        "--set generate.temprature=0.7: unknown field 'generate.temprature': remove it or check its spelling; did you "
+        "mean 'temperature'? (every field: docs/CONFIG.md)",
+        "--set run.iterations=0: run.iterations: Input should be greater than or equal to 1 (got 0)"])
+    with pytest.raises(ConfigError, match=rf"^{path} \(with --set update.share_prompt=true\): update: "):
+        load_pipeline(path, overrides=["update.share_prompt=true"])  # a section's rule, broken by an override
+    with pytest.raises(ConfigError, match=rf"^{path}: unknown field 'generate.temprature'"):
+        load_pipeline(write(tmp_path, dict(MINIMAL, generate={"temprature": 0.7})))
+
+
 def test_set_overrides_win_over_the_file_and_parse_yaml_scalars(tmp_path):
     cfg = load_pipeline(write(tmp_path, MINIMAL), overrides=["generate.temperature=0.25", "run.iterations=3",
                                                                "generate.stop=['</s>']"])

@@ -47,13 +47,16 @@ def test_estimators_relate_as_k2_half_k1_squared_abs_is_abs_k1_and_k3_is_non_neg
     assert (k3 >= 0).all() and (k1 < 0).any()  # k1 can be negative, k3 never
 
 
-def test_low_var_kl_is_clamped_at_10_and_k3_stays_finite_for_extreme_log_ratios():
-    logprobs = torch.tensor([[-20.0, -200.0]])
-    ref = torch.tensor([[-5.0, 0.0]])
-    # ref - logp = 15: k3 = e^15 - 16; ref - logp = 200 is clamped to 20 before exp
-    k3 = kl_penalty(logprobs, ref, estimator="k3")
-    torch.testing.assert_close(k3, torch.tensor([[math.exp(15) - 16, math.exp(20) - 21]]))
-    torch.testing.assert_close(kl_penalty(logprobs, ref, estimator="low_var_kl"), torch.tensor([[10.0, 10.0]]))
+def test_k3_and_low_var_kl_are_clamped_at_10_as_in_verl_so_a_stale_token_cannot_blow_up():
+    # the case: a stale batch with log p = -15 against log p_ref = -0.1 gave k3 = e^14.9 - 15.9 = 2.96e6
+    logprobs = torch.tensor([[-15.0, -200.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-0.1, 0.0, -1.5]])
+    for estimator in ("k3", "low_var_kl"):
+        kl = kl_penalty(logprobs, ref, estimator=estimator)
+        # a token near the reference is unclamped: exp(-0.5) + 0.5 - 1
+        torch.testing.assert_close(kl, torch.tensor([[10.0, 10.0, math.exp(-0.5) - 0.5]]))
+        (grad,) = torch.autograd.grad(kl.sum(), logprobs)
+        torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, 1.0 - math.exp(-0.5)]]))  # no gradient when clamped
 
 
 # two close categorical distributions over 6 tokens: p = policy, q = reference

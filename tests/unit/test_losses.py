@@ -77,6 +77,27 @@ def test_dual_clip_caps_the_loss_of_negative_advantages_at_c_times_minus_advanta
     torch.testing.assert_close(dual, torch.tensor([[3.0, -1.28]], dtype=torch.float64))
 
 
+def test_dual_clip_stops_a_stale_negative_token_from_weighing_its_ratio_in_the_gradient():
+    # a token whose probability grew 20-fold since the rollout (a late mini-batch of a stale batch), A = -1:
+    # plain PPO-clip's loss is -A r, so d loss / d logp = 20; dual clip caps it at 3 with no gradient
+    logprobs, plain, _, _ = _losses_for([20.0, 1.0], [-1.0, -1.0])
+    (plain_grad,) = torch.autograd.grad(plain.sum(), logprobs)
+    logprobs, dual, _, _ = _losses_for([20.0, 1.0], [-1.0, -1.0], dual_clip_ratio=3.0)
+    (dual_grad,) = torch.autograd.grad(dual.sum(), logprobs)
+    torch.testing.assert_close(plain_grad, torch.tensor([[20.0, 1.0]], dtype=torch.float64))
+    torch.testing.assert_close(dual_grad, torch.tensor([[0.0, 1.0]], dtype=torch.float64))
+
+
+def test_the_update_config_applies_verls_dual_clip_by_default_to_ppo_clip_only():
+    from batchrl.config.models import UpdateConfig
+
+    assert UpdateConfig().dual_clip_ratio == 3.0
+    assert UpdateConfig(dual_clip_ratio=None).dual_clip_ratio is None
+    assert UpdateConfig(policy_loss="gspo").policy_loss == "gspo"  # the default does not conflict with gspo
+    with pytest.raises(ValueError, match="ppo_clip only"):
+        UpdateConfig(policy_loss="gspo", dual_clip_ratio=3.0)
+
+
 def test_a_huge_log_ratio_is_clamped_so_the_loss_stays_finite():
     logprobs = torch.tensor([[100.0, -100.0]])
     losses, _, ratio = ppo_clip_token_losses(

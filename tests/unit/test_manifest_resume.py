@@ -21,8 +21,10 @@ from batchrl.config import ConfigError, validate_dict
 from batchrl.pipeline import lock as lock_module
 from batchrl.pipeline.lineage import files_to_ingest, resolve_lineage
 from batchrl.pipeline.lock import RunLock, RunLockedError, break_lock, holder_state
-from batchrl.pipeline.manifest import Manifest, PartInfo, damaged_parts, write_manifest
-from batchrl.pipeline.runner import STARTED_MARKER, build_plan, check_from_stage
+from batchrl.pipeline.manifest import Manifest, PartInfo, content_digest, damaged_parts, read_manifest, write_manifest
+from batchrl.pipeline.runner import STARTED_MARKER, Runner, build_plan, check_from_stage, current_input_digest
+from batchrl.pipeline.stage import STAGES, StageOutput
+from batchrl.stages.update import UpdateStage
 from batchrl.storage import file_identities, write_parquet_atomic
 
 
@@ -128,6 +130,104 @@ def test_from_stage_names_a_stage_and_an_iteration_of_the_run(tmp_path):
         check_from_stage(cfg, "score", 2)
     with pytest.raises(ConfigError, match="drop --iteration"):
         check_from_stage(cfg, "ingest", 0)
+
+
+def committed_run(cfg, *, record_inputs: bool = True) -> dict:
+    """Every stage of ``cfg`` committed as the runner commits it, each with content of its own (so no two tables
+    share a digest) and, with ``record_inputs``, the content digest of each input it was made from."""
+    plan = build_plan(cfg, check_storage=False)
+    by_dir, lineage = {s.output_dir: s for s in plan}, resolve_lineage(cfg)
+    for rows, step in enumerate(plan, start=1):
+        step.manifest = commit(step.output_dir, stage=step.name, fp=step.fingerprint, num_parts=1, rows=rows)
+        if record_inputs:
+            step.manifest.inputs = {t: current_input_digest(step, t, by_dir, lineage) for t in STAGES[step.name].inputs}
+            write_manifest(step.output_dir, step.manifest)
+    return {s.label: s for s in plan}
+
+
+def redone_update(rows: int) -> type:
+    """The update stage with a stand-in body: it writes a policy part of ``rows`` rows (the committed policy of
+    iteration 0 has 5: the same rows give the same content)."""
+
+    class RedoneUpdate(UpdateStage):
+        def run(self, ctx):
+            num_bytes, digest = write_parquet_atomic(pa.table({"x": list(range(rows))}),
+                                                     f"{ctx.output_dir}/part-00000.parquet")
+            return StageOutput(parts=[PartInfo("part-00000.parquet", rows, digest, num_bytes)], trainer_state=[])
+
+    return RedoneUpdate
+
+
+def redo_update_0(cfg, monkeypatch, *, rows: int) -> dict:
+    """Runs iteration 0's update (a stand-in writing ``rows`` rows) the way a resumed run does; the plan after it."""
+    runner = Runner(cfg)
+    monkeypatch.setitem(STAGES, "update", redone_update(rows))
+    runner.stage("update", 0)
+    return {s.label: s for s in runner.steps}
+
+
+READERS_OF_POLICY_0 = ["iter 1 generate", "iter 1 update"]
+
+
+def test_the_content_digest_is_of_the_parts_a_reader_reads_whatever_their_order_and_side_records():
+    parts = [PartInfo("part-00000.parquet", 1, "a", 1), PartInfo("part-00001.parquet", 1, "b", 1)]
+    manifest = Manifest(stage="s", table="t", iteration=None, fingerprint="f", parts=parts, schema="s",
+                        started_at=0.0, finished_at=1.0)
+    reordered = Manifest(**{**manifest.__dict__, "parts": parts[::-1],
+                            "extra_parts": {"rejects": [PartInfo("_rejects/part-00000.parquet", 1, "c", 1)]}})
+    assert content_digest(reordered) == content_digest(manifest)
+    changed = Manifest(**{**manifest.__dict__, "parts": [parts[0], PartInfo("part-00001.parquet", 1, "x", 1)]})
+    assert content_digest(changed) != content_digest(manifest)
+    assert Manifest.from_json(Manifest(**{**manifest.__dict__, "inputs": {"t": "d"}, "trainer_state": parts})
+                              .to_json()).trainer_state == parts
+
+
+def test_a_stage_made_from_a_policy_that_was_replaced_since_is_outdated_and_the_stages_before_it_are_not(tmp_path):
+    cfg = config(tmp_path)
+    steps = committed_run(cfg)
+    assert {s.status for s in build_plan(cfg)} == {"done"}
+    update = steps["iter 0 update"]
+    commit(update.output_dir, stage="update", fp=update.fingerprint, num_parts=1, rows=99)  # e.g. redone by hand
+    plan = {s.label: s.status for s in build_plan(cfg)}
+    assert [label for label, status in plan.items() if status != "done"] == READERS_OF_POLICY_0
+    assert {plan[label] for label in READERS_OF_POLICY_0} == {"outdated"}
+
+
+def test_a_policy_redone_without_its_old_manifest_into_other_weights_deletes_the_stages_made_from_the_old_ones(
+        tmp_path, monkeypatch):
+    cfg = config(tmp_path)
+    steps = committed_run(cfg)
+    Path(steps["iter 0 update"].output_dir, "_MANIFEST.json").unlink()
+    after = redo_update_0(cfg, monkeypatch, rows=99)
+    assert [label for label, s in after.items() if s.status != "done"] == READERS_OF_POLICY_0
+    for label in READERS_OF_POLICY_0:  # deleted before the new policy manifest was written: none is left "done"
+        assert after[label].status == "pending" and not Path(after[label].output_dir).exists()
+    assert read_manifest(steps["iter 1 score"].output_dir) is not None  # redone if its rollouts come out different
+    redone = read_manifest(steps["iter 0 update"].output_dir)
+    assert redone.inputs == {"advantages": content_digest(steps["iter 0 advantage"].manifest),
+                             "policy": resolve_lineage(cfg).initial_policy_fingerprint}
+
+
+def test_a_policy_redone_into_the_same_weights_keeps_the_stages_made_from_them(tmp_path, monkeypatch):
+    cfg = config(tmp_path)
+    steps = committed_run(cfg)
+    Path(steps["iter 0 update"].output_dir, "_MANIFEST.json").unlink()
+    after = redo_update_0(cfg, monkeypatch, rows=5)
+    assert {s.status for s in after.values()} == {"done"}
+
+
+def test_readers_that_do_not_record_their_inputs_are_redone_unless_a_repair_left_their_input_unchanged(
+        tmp_path, monkeypatch):
+    cfg = config(tmp_path)
+    steps = committed_run(cfg, record_inputs=False)  # manifests of an older batchrl
+    policy = Path(steps["iter 0 update"].output_dir)
+    with open(policy / "part-00000.parquet", "r+b") as f:
+        f.truncate(10)
+    repaired = redo_update_0(cfg, monkeypatch, rows=5)  # damaged, redone into the same content
+    assert {s.status for s in repaired.values()} == {"done"}
+    (policy / "_MANIFEST.json").unlink()
+    redone = redo_update_0(cfg, monkeypatch, rows=5)  # nothing to compare with: the readers cannot be trusted
+    assert [label for label, s in redone.items() if s.status != "done"] == READERS_OF_POLICY_0
 
 
 def prompt_file(path: Path, ids: list[str]) -> str:

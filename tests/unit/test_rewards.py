@@ -262,3 +262,9 @@ def test_a_bad_reference_is_a_value_error_naming_it(reference, complaint):
     with pytest.raises(ValueError, match=complaint) as error:
         resolve_reward(reference)
     assert repr(reference) in str(error.value)
+
+
+def test_a_decimal_response_to_an_integer_answer_is_wrong_for_gsm8k_as_in_verl_but_right_for_exact_match():
+    # ingest writes a numeric ground truth 19.0 as "19"; the response side is verl's: "19.0" is another string
+    assert gsm8k_score("#### 19.0", "19") == 0.0
+    assert exact_match("19.0", "19") == 1.0
