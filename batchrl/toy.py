@@ -537,12 +537,11 @@ def _build_model_dir(tmp_dir: Path, seed: int, sft_steps: int, sft_format_share:
     args = json.dumps({"tmp_dir": str(tmp_dir), "seed": seed, "sft_steps": sft_steps,
                        "sft_format_share": sft_format_share, "max_operand": max_operand})
     code = "import sys; from batchrl.toy import build_model_dir_here; build_model_dir_here(sys.argv[1])"
-    done = subprocess.run([sys.executable, "-c", code, args], env={**os.environ, **reproducible_env()},
-                          stderr=subprocess.PIPE, text=True)
-    sys.stderr.write(done.stderr)  # the child's log lines, in batchrl's format
+    sys.stderr.flush()  # the child logs to the same stderr, in batchrl's format, as it goes
+    done = subprocess.run([sys.executable, "-c", code, args], env={**os.environ, **reproducible_env()})
     if done.returncode != 0:
-        raise RuntimeError(f"building the toy model in {tmp_dir} failed (exit {done.returncode}): "
-                           f"{done.stderr.strip().splitlines()[-1:] or ['no output']}")
+        raise RuntimeError(f"building the toy model in {tmp_dir} failed (exit {done.returncode}); its error is "
+                           "logged above")
 
 
 def build_model_dir_here(args_json: str) -> None:

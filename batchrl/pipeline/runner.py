@@ -570,7 +570,7 @@ def _ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[None]:
     try:
         with kept_across("ray.init"):  # ray.init replaces the driver's SIGTERM handler (see interrupts)
             if address:
-                ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)  # cli.py's
+                ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)  # levels: cli.py
             else:
                 ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                          configure_logging=False)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -99,8 +100,6 @@ def read_json(path: Path) -> dict:
 
 def committed_table(table_dir: Path) -> pa.Table:
     manifest = read_json(table_dir / "_MANIFEST.json")
-    import pyarrow.parquet as pq
-
     return pa.concat_tables([pq.read_table(table_dir / p["name"]) for p in manifest["parts"]])
 
 
@@ -331,6 +330,20 @@ def test_a_policy_redone_into_the_same_weights_keeps_every_stage_made_from_it(re
     after = started_at(run)
     assert [rel for rel in STAGE_DIRS if after[rel] != before[rel]] == ["iter_0000/policy"]
     assert_same_rows(expected_run, run)  # a deterministic update reproduces its weights: iteration 1 is still theirs
+
+
+def test_a_foreign_parquet_file_under_a_part_name_of_an_unfinished_stage_is_redone_not_taken_for_its_output(
+        reference):
+    path, expected_run = reference
+    run = copy_run(expected_run, "poisoned")
+    scores = run / "iter_0001" / "scores"
+    (scores / "_MANIFEST.json").unlink()  # the stage caught mid-way: its _STARTED.json and parts are there
+    pq.write_table(pa.table({"question": ["What is 2 + 2?"], "answer": [4.0]}), scores / "part-00000.parquet")
+    result = batchrl("run", str(path), "--run-id", "poisoned")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "part-00000.parquet is not this stage's output" in result.stderr, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr
+    assert_same_rows(expected_run, run)
 
 
 def test_an_update_whose_optimizer_state_is_gone_stops_with_exit_3_and_the_redo_it_names_reproduces_the_run(

@@ -99,6 +99,8 @@ def test_a_run_on_a_cluster_whose_nodes_do_not_see_its_local_root_is_a_config_er
 
     model = tmp_path / "model"
     model.mkdir()
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(name, value)  # the prompts are on S3: a run needs credentials (nothing is read here)
     cfg = PipelineConfig(name="t", model={"path": str(model)}, data={"train_files": ["s3://b/prompts/"]},
                          run={"root": str(tmp_path / "runs")})
     runner = Runner(cfg)
