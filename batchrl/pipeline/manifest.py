@@ -105,16 +105,21 @@ def write_manifest(table_dir: str, manifest: Manifest) -> None:
     write_bytes_atomic(manifest_uri(table_dir), manifest.to_json().encode())
 
 
-def damaged_parts(table_dir: str, manifest: Manifest, *, checksums: bool = False) -> list[str]:
-    """Names of the manifest's parts that are missing, have another size or (checksums) another sha256."""
-    fs, path = resolve(table_dir)
+def file_sizes(directory: str) -> dict[str, int]:
+    """Size of every file under ``directory`` by its path relative to it, from one (uncached) listing; {} when the
+    directory does not exist."""
+    fs, path = resolve(directory)
     root = path.rstrip("/")
     try:
         fs.invalidate_cache(root)
-        sizes = {name[len(root) + 1:]: int(info.get("size") or 0)
-                 for name, info in fs.find(root, detail=True).items()}
+        return {name[len(root) + 1:]: int(info.get("size") or 0) for name, info in fs.find(root, detail=True).items()}
     except FileNotFoundError:
-        sizes = {}
+        return {}
+
+
+def damaged_parts(table_dir: str, manifest: Manifest, *, checksums: bool = False) -> list[str]:
+    """Names of the manifest's parts that are missing, have another size or (checksums) another sha256."""
+    sizes = file_sizes(table_dir)
     damaged = []
     for part in manifest.all_parts:
         if sizes.get(part.name) != part.num_bytes:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from batchrl.config import PipelineConfig
-from batchrl.pipeline.manifest import PartInfo, read_manifest
+from batchrl.pipeline.manifest import PartInfo, file_sizes, read_manifest
 from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
 from batchrl.tracking.progress import ProgressBar, progress
@@ -315,13 +315,7 @@ def _state_problem(uri: str, recorded: list[PartInfo] | None) -> tuple[str, str]
     """(file, what is wrong with it) for the first recorded file under ``uri`` that is missing or has another size
     (one listing; sha256 is checked where the files are loaded). Without a record (older manifests), only
     trainer_state.json is looked for."""
-    fs, path = resolve(uri)
-    root = path.rstrip("/")
-    try:
-        fs.invalidate_cache(root)
-        sizes = {name[len(root) + 1:]: int(info.get("size") or 0) for name, info in fs.find(root, detail=True).items()}
-    except FileNotFoundError:
-        sizes = {}
+    sizes = file_sizes(uri)
     if recorded is None:
         return None if TRAINER_STATE_FILE in sizes else (TRAINER_STATE_FILE, "missing")
     for part in sorted(recorded, key=lambda p: p.name):
