@@ -167,7 +167,7 @@ def _run(pipeline: Path, overrides: list[str], run_id: str | None, *, from_stage
     _setup_logging(verbose)
     from batchrl.pipeline.lock import RunLockedError
     from batchrl.pipeline.runner import Runner
-    from batchrl.pipeline.stage import DataError
+    from batchrl.errors import DataError
     from batchrl.storage import StorageError, is_transient_storage_error
 
     try:
@@ -306,7 +306,7 @@ def inspect(table: str = typer.Argument(..., help="A stage table directory, a Pa
                                         "(local or s3://)."),
             rows: int = typer.Option(3, "--rows", "-n", help="Rows to show.")) -> None:
     """Print the schema, row count and first rows of a stage table."""
-    from batchrl.pipeline.manifest import read_manifest
+    from batchrl.storage.manifest import read_manifest
     from batchrl.storage import StorageError, join, read_parquet
 
     manifest = None if table.endswith(".parquet") else read_manifest(table)

@@ -31,7 +31,7 @@ def peak_rss_mb() -> float:
 
 def synthetic_rollouts(shard: int, *, num_groups: int, group_size: int, response_tokens: int) -> pa.Table:
     """One shard of a rollouts table (schema data_schemas/rollouts.json), built from numpy arrays."""
-    from batchrl.pipeline.schemas import load_schema
+    from batchrl.storage.schemas import load_schema
 
     rng = np.random.default_rng(shard)
     num_samples = num_groups * group_size
@@ -68,7 +68,7 @@ def synthetic_rollouts(shard: int, *, num_groups: int, group_size: int, response
 
 def child(args: argparse.Namespace) -> None:
     """Streams ``args.samples`` samples through score and advantage; prints one JSON line."""
-    from batchrl.pipeline.schemas import conform
+    from batchrl.storage.schemas import conform
     from batchrl.stages.advantage import AdvantageWorker
     from batchrl.stages.score import ScoreWorker
     from batchrl.storage import read_parquet, write_parquet_atomic

@@ -16,7 +16,7 @@ import time
 
 import pyarrow as pa
 
-from batchrl.pipeline.schemas import conform
+from batchrl.storage.schemas import conform
 from batchrl.rewards import REWARDS
 from batchrl.stages.score import ScoreWorker
 

@@ -17,10 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 from batchrl.config.models import PipelineConfig
-
-
-class ConfigError(ValueError):
-    """A user's configuration mistake; the message says which field and how to fix it."""
+from batchrl.errors import ConfigError
 
 
 def load_pipeline(path: str | os.PathLike, *, overrides: list[str] = (), run_id: str | None = None) -> PipelineConfig:

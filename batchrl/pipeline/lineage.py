@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import yaml
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.pipeline.manifest import Manifest, fingerprint, read_manifest
+from batchrl.storage.manifest import Manifest, fingerprint, read_manifest
 from batchrl.storage import RunLayout, expand_parquet_files, file_identities, join, resolve, write_bytes_atomic
 from batchrl.storage.fs import protocol_prefix
 

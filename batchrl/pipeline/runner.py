@@ -46,7 +46,7 @@ from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.lock import RunLock
 from batchrl.pipeline.reaper import reaping_orphans
 from batchrl.pipeline.shards import set_embedded_ray
-from batchrl.pipeline.manifest import (
+from batchrl.storage.manifest import (
     MANIFEST_NAME,
     Manifest,
     content_digest,

@@ -26,10 +26,10 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrl.pipeline.manifest import Manifest, PartInfo
-from batchrl.pipeline.schemas import conform, load_schema
+from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage.schemas import conform, load_schema
 from batchrl.tracking.progress import progress
-from batchrl.pipeline.stage import DataError
+from batchrl.errors import DataError
 from batchrl.storage import join, read_parquet, resolve, write_parquet_atomic
 
 logger = logging.getLogger(__name__)

@@ -11,12 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from batchrl.config import PipelineConfig
-from batchrl.pipeline.manifest import Manifest, PartInfo
+from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage import RunLayout
-
-
-class DataError(RuntimeError):
-    """The input data cannot be processed as configured (missing column, unreadable file); exit code 3."""
 
 
 @dataclass(frozen=True)

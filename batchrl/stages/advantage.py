@@ -36,7 +36,8 @@ from batchrl.algorithms.advantages import (
 from batchrl.config import PipelineConfig
 from batchrl.config.models import AdvantageConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
-from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
+from batchrl.errors import DataError
+from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.storage import join, read_parquet
 
 logger = logging.getLogger(__name__)

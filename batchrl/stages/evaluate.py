@@ -40,10 +40,11 @@ import numpy as np
 import pyarrow as pa
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.pipeline.manifest import Manifest, PartInfo
-from batchrl.pipeline.schemas import load_schema
+from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage.schemas import load_schema
 from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
-from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
+from batchrl.errors import DataError
+from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.rewards import reward_name_for
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 

@@ -26,9 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.pipeline.manifest import PartInfo
-from batchrl.pipeline.schemas import load_schema
-from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
+from batchrl.storage.manifest import PartInfo
+from batchrl.storage.schemas import load_schema
+from batchrl.errors import DataError
+from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.storage import (
     StorageError,
     expand_parquet_files,

@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from batchrl.config import PipelineConfig
-from batchrl.pipeline.manifest import PartInfo, file_sizes, read_manifest
-from batchrl.pipeline.stage import DataError, StageContext, StageOutput, register
+from batchrl.storage.manifest import PartInfo, file_sizes, read_manifest
+from batchrl.errors import DataError
+from batchrl.pipeline.stage import StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
 from batchrl.tracking.progress import ProgressBar, progress
 

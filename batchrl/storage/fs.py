@@ -23,13 +23,11 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrl.errors import StorageError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_S3_MAX_ATTEMPTS = 10
-
-
-class StorageError(RuntimeError):
-    """A data location cannot be read or written (missing file, bad URI, unreachable store)."""
 
 
 def resolve(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 
 from batchrl.config import ConfigError
-from batchrl.pipeline.manifest import read_manifest
+from batchrl.storage.manifest import read_manifest
 from batchrl.storage import RunLayout, is_local, join, read_parquet, resolve, upload_file
 from batchrl.tracking.summary import format_summary
 from batchrl.tracking.tables import iteration_dirs

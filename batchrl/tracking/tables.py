@@ -12,7 +12,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from batchrl.pipeline.manifest import Manifest, read_manifest
+from batchrl.storage.manifest import Manifest, read_manifest
 from batchrl.storage import RunLayout, join, resolve
 
 logger = logging.getLogger(__name__)

@@ -384,7 +384,7 @@ def test_stages_made_from_a_table_that_was_redone_differently_are_redone_even_wi
     after = started_at(run)
     assert [rel for rel in STAGE_DIRS if after[rel] != before[rel]] == [
         "iter_0001/scores", "iter_0001/advantages", "iter_0001/policy"]
-    from batchrl.pipeline.manifest import Manifest, content_digest
+    from batchrl.storage.manifest import Manifest, content_digest
 
     scores = Manifest.from_json((run / "iter_0001" / "scores" / "_MANIFEST.json").read_text())
     advantages = read_json(run / "iter_0001" / "advantages" / "_MANIFEST.json")

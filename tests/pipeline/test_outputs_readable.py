@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from batchrl.pipeline.schemas import load_schema
+from batchrl.storage.schemas import load_schema
 from batchrl.storage import resolve
 from batchrl.tracking import run_tables
 

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pytest
 
 from batchrl.config import ConfigError, validate_dict
-from batchrl.pipeline.stage import DataError, StageContext
+from batchrl.errors import DataError
+from batchrl.pipeline.stage import StageContext
 from batchrl.rewards.gsm8k import gsm8k_strict
 from batchrl.stages.evaluate import (
     EvaluateStage,

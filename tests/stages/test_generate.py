@@ -7,7 +7,7 @@ import pytest
 
 from batchrl.config import validate_dict
 from batchrl.engines import vllm_available
-from batchrl.pipeline.manifest import Manifest, write_manifest
+from batchrl.storage.manifest import Manifest, write_manifest
 from batchrl.pipeline.stage import StageContext
 from batchrl.stages.generate import EnginePool, GenerateStage
 from batchrl.stages.ingest import IngestStage

@@ -12,7 +12,8 @@ import pytest
 
 from batchrl.config import validate_dict
 from batchrl.config.models import ScoreConfig
-from batchrl.pipeline.stage import DataError, StageContext
+from batchrl.errors import DataError
+from batchrl.pipeline.stage import StageContext
 from batchrl.rewards.gsm8k import gsm8k_strict
 from batchrl.stages.ingest import IngestStage, ground_truth_text
 from batchrl.storage import RunLayout, read_parquet

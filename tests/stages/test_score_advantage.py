@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from batchrl.pipeline.schemas import conform
+from batchrl.storage.schemas import conform
 from batchrl.algorithms.advantages import batch_moments
 from batchrl.config.models import AdvantageConfig
 from batchrl.stages.advantage import AdvantageWorker, raw_advantages, shard_groups

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from batchrl.pipeline.schemas import conform
+from batchrl.storage.schemas import conform
 from batchrl.rewards.combine import TermSpec
 from batchrl.stages.score import ScoreWorker, score_stats, summarize_scores
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchrl.config import ConfigError, validate_dict
-from batchrl.pipeline.manifest import Manifest, PartInfo
+from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.pipeline.stage import StageContext
 from batchrl.stages.score import ScoreStage
 from batchrl.storage import RunLayout, read_parquet, write_parquet_atomic

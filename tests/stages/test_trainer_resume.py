@@ -218,7 +218,7 @@ def stage_context(tmp_path: Path, *, iteration: int, keep: int | None):
 def committed_policy(policy_dir: Path, *, state: bool | None = True) -> None:
     """A policy as its update commits it: weights, and (state=True) an optimizer state whose files its manifest
     records with their sha256; state=False: the update saved none; None: a manifest of an older batchrl (no record)."""
-    from batchrl.pipeline.manifest import Manifest, PartInfo, write_manifest
+    from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 
     files = {"model.safetensors": b"weights"}
     if state is not False:
@@ -253,7 +253,7 @@ def test_an_update_deletes_optimizer_states_older_than_the_last_k_but_never_poli
 
 
 def test_an_update_whose_optimizer_state_is_gone_stops_with_the_iteration_to_redo_the_updates_from(tmp_path):
-    from batchrl.pipeline.stage import DataError
+    from batchrl.errors import DataError
     from batchrl.stages.update import _recorded_trainer_state
 
     ctx = stage_context(tmp_path, iteration=3, keep=1)

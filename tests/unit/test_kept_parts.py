@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrl.pipeline.manifest import Manifest, PartInfo
-from batchrl.pipeline.schemas import load_schema
+from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage.schemas import load_schema
 from batchrl.pipeline.shards import pending_shards
 from batchrl.storage import write_parquet_atomic
 

@@ -21,7 +21,7 @@ from batchrl.config import ConfigError, validate_dict
 from batchrl.pipeline import lock as lock_module
 from batchrl.pipeline.lineage import files_to_ingest, resolve_lineage
 from batchrl.pipeline.lock import RunLock, RunLockedError, break_lock, holder_state
-from batchrl.pipeline.manifest import Manifest, PartInfo, content_digest, damaged_parts, read_manifest, write_manifest
+from batchrl.storage.manifest import Manifest, PartInfo, content_digest, damaged_parts, read_manifest, write_manifest
 from batchrl.pipeline.runner import STARTED_MARKER, Runner, build_plan, check_from_stage, current_input_digest
 from batchrl.pipeline.stage import STAGES, StageOutput
 from batchrl.stages.update import UpdateStage

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from batchrl.config import ConfigError, validate_dict
-from batchrl.pipeline.manifest import Manifest, PartInfo, write_manifest
+from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 from batchrl.pipeline.runner import STARTED_MARKER, build_plan, check_from_stage
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from batchrl.pipeline.manifest import Manifest, PartInfo, write_manifest
+from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 from batchrl.storage import write_parquet_atomic
 from batchrl.tracking.report import write_report
 

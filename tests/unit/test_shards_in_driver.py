@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrl.pipeline.manifest import Manifest, PartInfo
-from batchrl.pipeline.schemas import load_schema
+from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage.schemas import load_schema
 from batchrl.pipeline.shards import ShardWorker, run_sharded, runs_in_driver, set_embedded_ray
 from batchrl.storage import write_parquet_atomic
 

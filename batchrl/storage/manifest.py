@@ -28,7 +28,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from batchrl import __version__
-from batchrl.storage import join, resolve, sha256_of, write_bytes_atomic
+from batchrl.storage.fs import join, resolve, sha256_of, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 

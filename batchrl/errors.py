@@ -1,0 +1,23 @@
+"""The errors a user can cause, one module below everything else, and the exit code each maps to.
+
+The command line turns them into one line and an exit code (README, "Exit codes"); anything else that escapes
+is a bug and keeps its traceback.
+
+- ConfigError (exit 2): a configuration mistake, found before any work starts; the message names the field.
+- DataError (exit 3): the input data cannot be processed as configured (missing column, unreadable file).
+- StorageError (exit 3, or 4 when transient): a data location cannot be read or written.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message says which field and how to fix it."""
+
+
+class DataError(RuntimeError):
+    """The input data cannot be processed as configured (missing column, unreadable file); exit code 3."""
+
+
+class StorageError(RuntimeError):
+    """A data location cannot be read or written (missing file, bad URI, unreachable store)."""
