@@ -84,7 +84,7 @@ def plan(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Op
          from_stage: Optional[str] = FromStageOpt, iteration: Optional[int] = IterationOpt,
          verify: bool = VerifyOpt) -> None:
     """Print the stages of the run and what `batchrl run` would do with each: skip, resume, redo or run."""
-    from batchrl.pipeline.runner import build_plan, check_from_stage
+    from batchrl.api import build_plan, check_from_stage
 
     cfg = _load(pipeline, overrides, run_id)
     try:
@@ -166,7 +166,7 @@ def _run(pipeline: Path, overrides: list[str], run_id: str | None, *, from_stage
     cfg = _load(pipeline, overrides, run_id)
     _setup_logging(verbose)
     from batchrl.pipeline.lock import RunLockedError
-    from batchrl.pipeline.runner import Runner
+    from batchrl.api import Runner
     from batchrl.errors import DataError
     from batchrl.storage import StorageError, is_transient_storage_error
 
@@ -228,7 +228,7 @@ def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
     """Each stage of a run: done / partial (k of n shards) / pending / stale / damaged; rows, rejects, durations, lock."""
     from batchrl.pipeline.lineage import read_lineage
     from batchrl.pipeline.lock import holder_state, lock_holder
-    from batchrl.pipeline.runner import build_plan
+    from batchrl.api import build_plan
     from batchrl.storage import RunLayout
 
     cfg = _run_config(run_dir)

@@ -45,7 +45,6 @@ from batchrl.pipeline.lineage import (
 from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.lock import RunLock
 from batchrl.pipeline.reaper import reaping_orphans
-from batchrl.pipeline.shards import set_embedded_ray
 from batchrl.storage.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -55,7 +54,18 @@ from batchrl.storage.manifest import (
     read_manifest,
     write_manifest,
 )
-from batchrl.pipeline.stage import STAGES, StageContext, consumers, planned_iterations, stage_order
+from batchrl.pipeline.stage import (
+    POLICY,
+    STAGES,
+    Stage,
+    StageContext,
+    consumers,
+    is_sharded,
+    planned_iterations,
+    producer,
+    stage_order,
+    table_iteration,
+)
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
 from batchrl.storage.sources import check_s3_credentials
 from batchrl.tracking import Trackers, check_tracking, tracking_session
@@ -93,7 +103,13 @@ class RunSummary:
     skipped: list[str] = field(default_factory=list)
     iterations: list[dict] = field(default_factory=list)
     no_new_files: bool = False  # incremental run that found no input file it had not seen: nothing ran
-    evaluations: list[dict] = field(default_factory=list)  # evaluate stage stats in order (iteration None first)
+    # stats of the stages that declare a summary_key, in run order: {"iteration", "policy", **stats}
+    reports: dict[str, list[dict]] = field(default_factory=dict)
+
+    @property
+    def evaluations(self) -> list[dict]:
+        """The held-out evaluations in order (the initial policy's first), when the run has them."""
+        return self.reports.get("evaluations", [])
 
 
 def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Lineage | None = None,
@@ -116,20 +132,20 @@ def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Line
             if iteration not in where[name]:
                 continue
             policy_in, policy_in_fp = policy_dir, policy_fp
-            if getattr(stage, "after_update", False) and iteration is not None:
-                policy_in, policy_in_fp = table_dirs["policy"], table_fps["policy"]
-            upstream = [policy_in_fp if t == "policy" else table_fps[t] for t in stage.inputs]
+            if stage.reads_new_policy and iteration is not None:
+                policy_in, policy_in_fp = table_dirs[POLICY], table_fps[POLICY]
+            upstream = [policy_in_fp if t == POLICY else table_fps[t] for t in stage.inputs]
             config = dict(stage.fingerprint_config(cfg), iteration=iteration)
-            if name == "ingest" and lineage.skips_seen_files(cfg):
+            if stage.reads_train_files and lineage.skips_seen_files(cfg):
                 config["skip_seen_files"] = seen_fingerprint(lineage)
             step = PlannedStage(name=name, iteration=iteration, output_dir=layout.table_dir(stage.table, iteration),
                                 fingerprint=fingerprint(config, *upstream),
-                                input_dirs={t: table_dirs[t] for t in stage.inputs if t != "policy"},
+                                input_dirs={t: table_dirs[t] for t in stage.inputs if t != POLICY},
                                 policy_in=policy_in, sharded=is_sharded(stage))
             table_dirs[stage.table], table_fps[stage.table] = step.output_dir, step.fingerprint
             plan.append(step)
-        if iteration is not None:
-            policy_dir, policy_fp = table_dirs["policy"], table_fps["policy"]
+        if iteration is not None and POLICY in table_dirs:
+            policy_dir, policy_fp = table_dirs[POLICY], table_fps[POLICY]
     if check_storage:
         by_dir = {step.output_dir: step for step in plan}
         for step in plan:
@@ -141,11 +157,6 @@ def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Line
     if from_stage is not None:
         _force_from(plan, from_stage, from_iteration)
     return plan
-
-
-def is_sharded(stage) -> bool:
-    """Stages whose output part k is made from input part k alone (generate, score, advantage)."""
-    return stage.schema is not None and any(t != "policy" for t in stage.inputs)
 
 
 def _set_status(step: PlannedStage, *, checksums: bool) -> None:
@@ -187,10 +198,10 @@ def current_input_digest(step: PlannedStage, table: str, by_dir: dict[str, Plann
                          lineage: Lineage) -> str | None:
     """The content digest of ``step``'s input ``table`` as committed now (None: not committed). The initial policy
     (model.path or a warm start) is not a table of this run: its lineage fingerprint stands for its content."""
-    source = step.policy_in if table == "policy" else step.input_dirs.get(table)
+    source = step.policy_in if table == POLICY else step.input_dirs.get(table)
     upstream = by_dir.get(source)
     if upstream is None:
-        return lineage.initial_policy_fingerprint if table == "policy" else None
+        return lineage.initial_policy_fingerprint if table == POLICY else None
     return None if upstream.manifest is None else content_digest(upstream.manifest)
 
 
@@ -205,8 +216,9 @@ def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int |
         raise ConfigError(f"--iteration {from_iteration} is outside this run's iterations 0..{cfg.run.iterations - 1}")
     where = planned_iterations(STAGES[from_stage](), cfg)
     if not where:
+        section = STAGES[from_stage].config_section
         raise ConfigError(f"--from-stage {from_stage}: this config never runs it"
-                          + (" (add an evaluate: section)" if from_stage == "evaluate" else ""))
+                          + (f" (add an {section}: section)" if section else ""))
     if from_iteration is not None and from_iteration not in where:
         listed = ", ".join("before training" if i is None else str(i) for i in where)
         raise ConfigError(f"--from-stage {from_stage} --iteration {from_iteration}: it runs only at iterations "
@@ -259,58 +271,54 @@ class Runner:
                                 verify_checksums=verify_checksums)
         self.plan = {(s.name, s.iteration): s for s in self.steps}
         self.by_dir = {s.output_dir: s for s in self.steps}
+        self.stages: dict[str, Stage] = {name: STAGES[name]() for name in stage_order()}
+        self.embedded_ray = False  # set when the runner starts its own local Ray (see _ray_session)
         self.summary = RunSummary(run_dir=self.layout.run_dir)
         self.trackers = Trackers([])  # opened in run()
 
     def run(self) -> RunSummary:
-        self._ensure_toy_assets()
         self.check_inputs()  # config errors surface here, before the run directory is touched
         with RunLock(self.layout.lock), reaping_orphans():  # nothing the run starts outlives the driver
             self._write_run_yaml()  # first: `batchrl status` reads it, even of a run killed while starting
             with tracking_session(self.cfg.tracking, run_dir=self.layout.run_dir, run_id=self.cfg.run_id,
                                   config_dict=self.cfg.model_dump(mode="json")) as self.trackers, \
-                    _ray_session(self.cfg, needed=any(s.status != "done" for s in self.plan.values())):
+                    _ray_session(self, needed=any(s.status != "done" for s in self.plan.values())):
                 try:
                     self._run_stages()
                 finally:
-                    from batchrl.trainer import shutdown_trainers
-
                     with deferred():  # a SIGTERM must not cut it short (see interrupts)
-                        shutdown_trainers()  # resident update ranks (update.trainer_lifetime: run) end with the run
+                        for stage in reversed(self.stages.values()):
+                            stage.close()  # e.g. resident update ranks (update.trainer_lifetime: run)
         return self.summary
 
     def _run_stages(self) -> None:
+        """The run order is the stages' (see batchrl/stages/__init__.py): once-per-run stages, then those planned
+        before iteration 0 (evaluating the initial policy), then each iteration's stages in turn."""
         self.check_cluster_paths()
+        self.check_actor_needs()
         self._clear_forced()
-        prompts = self.stage("ingest")
-        if prompts is None:
-            return  # an incremental run with no new input file: nothing to train on
-        self.preflight(prompts)
-        self.evaluate(None)  # the initial policy, on held-out prompts (when configured)
-        for iteration in range(self.cfg.run.iterations):
-            self.stage("generate", iteration)
-            self.stage("score", iteration)
-            self.stage("advantage", iteration)
-            self.stage("update", iteration)
-            self.evaluate(iteration)
-            self.record_iteration(iteration)
-
-    def evaluate(self, iteration: int | None) -> None:
-        """The evaluate stage where it is planned (evaluate.every, before_training); its metrics go to the summary."""
-        if ("evaluate", iteration) not in self.plan:
-            return
-        manifest = self.stage("evaluate", iteration)
-        self.summary.evaluations.append({"iteration": iteration, "policy": self.plan[("evaluate", iteration)].policy_in,
-                                         **manifest.stats})
+        once = [name for name, stage in self.stages.items() if not stage.per_iteration]
+        for name in once:
+            if self.stage(name) is None:
+                return  # an incremental run with no new input file: nothing to train on
+        self.preflight({self.stages[name].table: self.plan[(name, None)].manifest for name in once})
+        each = [name for name, stage in self.stages.items() if stage.per_iteration]
+        for iteration in [None] + list(range(self.cfg.run.iterations)):
+            for name in each:
+                if (name, iteration) in self.plan:
+                    self.stage(name, iteration)
+            if iteration is not None:
+                self.record_iteration(iteration)
 
     def stage(self, name: str, iteration: int | None = None) -> Manifest | None:
+        """Runs one planned stage unless it is done; returns its manifest (None: nothing to read for it)."""
         step = self.plan[(name, iteration)]
+        stage = self.stages[name]
         if step.status == "done":
             logger.info("%s: complete (fingerprint %s), skipped", step.label, step.fingerprint)
             self.summary.skipped.append(step.label)
-            return step.manifest
-        stage = STAGES[name]()
-        cfg, sources = (self._ingest_config() if name == "ingest" else (self.cfg, []))
+            return self._report(step, stage)
+        cfg, sources = self._narrowed_config() if stage.reads_train_files else (self.cfg, [])
         if cfg is None:
             return None
         damaged = step.manifest if step.status == "damaged" else None
@@ -318,10 +326,9 @@ class Runner:
             logger.warning("%s: made from an input that has since been redone or replaced; redoing it", step.label)
             _remove(step.output_dir)
         self._prepare_output_dir(step, stage)
-        inputs = {t: self.plan[(_producer(t), _table_iteration(t, iteration))].manifest for t in stage.inputs if t != "policy"}
         ctx = StageContext(cfg=cfg, layout=self.layout, iteration=iteration, output_dir=step.output_dir,
-                           fingerprint=step.fingerprint, inputs=inputs, input_dirs=step.input_dirs,
-                           policy_in=step.policy_in)
+                           fingerprint=step.fingerprint, inputs=self._input_manifests(stage, iteration),
+                           input_dirs=step.input_dirs, policy_in=step.policy_in, embedded_ray=self.embedded_ray)
         logger.info("%s: running%s", step.label, f" (redoing damaged {damaged_names(step)})" if damaged else "")
         started = time.time()
         output = stage.run(ctx)
@@ -335,17 +342,27 @@ class Runner:
         rows = f", {manifest.num_rows} rows" if stage.schema else ""
         logger.info("%s: done in %.1f s%s", step.label, manifest.finished_at - started, rows)
         self.summary.ran.append(step.label)
-        return manifest
+        return self._report(step, stage)
+
+    def _report(self, step: PlannedStage, stage: Stage) -> Manifest:
+        """Lists the stats of a stage that declares a summary_key in the run summary (the CLI prints them)."""
+        if stage.summary_key is not None:
+            self.summary.reports.setdefault(stage.summary_key, []).append(
+                {"iteration": step.iteration, "policy": step.policy_in, **step.manifest.stats})
+        return step.manifest
+
+    def _input_manifests(self, stage: Stage, iteration: int | None) -> dict[str, Manifest]:
+        """The committed manifests of the tables ``stage`` reads at ``iteration``, by table name."""
+        return {table: self.plan[(producer(table), table_iteration(table, iteration))].manifest
+                for table in stage.inputs if table != POLICY}
 
     def check_inputs(self) -> None:
-        """Config-level checks of every stage that has them; ingest's only while it still has to run."""
+        """Config-level checks of every stage that still has something to run (a done stage's inputs may be gone,
+        e.g. input files deleted after ingest)."""
         check_tracking(self.cfg.tracking, run_dir=self.layout.run_dir)
-        for name in stage_order():
-            if name == "ingest" and self.plan[("ingest", None)].status == "done":
-                continue
-            check = getattr(STAGES[name](), "check_inputs", None)
-            if check is not None:
-                check(self.cfg)
+        for name, stage in self.stages.items():
+            if any(step.status != "done" for step in self.steps if step.name == name):
+                stage.check_inputs(self.cfg)
 
     def check_cluster_paths(self) -> None:
         """On a Ray cluster of several nodes, the local paths the run writes (the run directory) or reads (model,
@@ -360,12 +377,7 @@ class Runner:
         num_nodes = len(alive_nodes())
         if num_nodes <= 1:
             return
-        cfg = self.cfg
-        named_reads = [("model.path", cfg.model.path)] + [("data.train_files", f) for f in cfg.data.train_files]
-        if cfg.evaluate is not None:
-            named_reads += [("evaluate.files", f) for f in cfg.evaluate.files]
-        if cfg.score.reward_model is not None:
-            named_reads.append(("score.reward_model.path", cfg.score.reward_model.path))
+        named_reads = [read for stage in self.stages.values() for read in stage.read_paths(self.cfg)]
         reads = {uri.removeprefix("file://"): name for name, uri in named_reads
                  if is_local(uri) and os.path.exists(uri.removeprefix("file://"))}
         writes = {self.layout.run_dir.removeprefix("file://"): "run.root"} if is_local(self.layout.run_dir) else {}
@@ -376,24 +388,41 @@ class Runner:
                 ": actors on those nodes would read or write another directory than the driver. Put these on object "
                 "storage (s3://...) or on a filesystem mounted at the same path on every node")
 
-    def preflight(self, prompts: Manifest) -> None:
-        data_sources = sorted(k.split("/", 1)[1] for k in prompts.counts if k.startswith("data_source/"))
-        for name in stage_order():
-            check = getattr(STAGES[name](), "preflight", None)
-            if check is not None:
-                check(self.cfg, data_sources=data_sources)
+    def preflight(self, tables: dict[str, Manifest]) -> None:
+        """Each stage's checks against the once-per-run tables, before any iteration runs."""
+        for stage in self.stages.values():
+            stage.preflight(self.cfg, tables=tables)
+
+    def check_actor_needs(self) -> None:
+        """Before any work: a stage whose one actor asks for more CPUs or GPUs than the embedded Ray has would wait
+        for them forever (Ray queues the request); a ConfigError names the field to lower. Not asked of a cluster,
+        which an autoscaler may grow when the request comes."""
+        import ray
+
+        if not (self.embedded_ray and ray.is_initialized()):
+            return
+        total = ray.cluster_resources()
+        for name, stage in self.stages.items():
+            if all(step.status == "done" for step in self.steps if step.name == name):
+                continue
+            for need in stage.actor_needs(self.cfg):
+                for kind, amount, field_name in (("CPU", need.cpus, need.cpus_field), ("GPU", need.gpus, need.gpus_field)):
+                    if amount > total.get(kind, 0):
+                        raise ConfigError(
+                            f"{field_name}={amount:g}: one {name} actor asks for {amount:g} {kind}, but the Ray "
+                            f"cluster has {total.get(kind, 0):g} in all; lower {field_name} or add {kind}s to it")
 
     def record_iteration(self, iteration: int) -> None:
-        metrics = iteration_metrics(self.plan, iteration)
+        metrics = iteration_metrics(self.plan, self.stages, iteration)
         write_bytes_atomic(self.layout.iteration_metrics(iteration), json.dumps(metrics, indent=2).encode())
         self.summary.iterations.append(metrics)
         lines = "".join(json.dumps(m) + "\n" for m in self.summary.iterations)
         write_bytes_atomic(self.layout.metrics_jsonl, lines.encode())  # rewritten whole: resume never duplicates
         self.trackers.log(metrics, step=iteration)
 
-    def _ingest_config(self) -> tuple[PipelineConfig | None, list[dict]]:
-        """The config ingest runs with: data.train_files narrowed to the files to read (incremental runs
-        skip those earlier runs ingested); (None, []) when there is none. Records the lineage."""
+    def _narrowed_config(self) -> tuple[PipelineConfig | None, list[dict]]:
+        """The config a stage that reads data.train_files runs with: the list narrowed to the files to read
+        (incremental runs skip those earlier runs ingested); (None, []) when there is none. Records the lineage."""
         files, skipped = files_to_ingest(self.cfg, self.lineage)
         if self.lineage.init_from is not None:
             self.lineage.no_new_files = not files
@@ -441,25 +470,19 @@ class Runner:
             _remove(step.output_dir)
             step.status, step.manifest, step.damaged = "pending", None, []
 
-    def _readers(self, producer: PlannedStage) -> list[tuple[PlannedStage, str]]:
-        """(later stage, the input name under which it reads ``producer``'s table), in plan order."""
-        later = self.steps[self.steps.index(producer) + 1:]
+    def _readers(self, made: PlannedStage) -> list[tuple[PlannedStage, str]]:
+        """(later stage, the input name under which it reads ``made``'s table), in plan order."""
+        later = self.steps[self.steps.index(made) + 1:]
         readers = []
         for step in later:
-            reads_policy = "policy" in STAGES[step.name].inputs and step.policy_in == producer.output_dir
-            tables = [t for t, d in step.input_dirs.items() if d == producer.output_dir] + ["policy"] * reads_policy
+            reads_policy = POLICY in self.stages[step.name].inputs and step.policy_in == made.output_dir
+            tables = [t for t, d in step.input_dirs.items() if d == made.output_dir] + [POLICY] * reads_policy
             readers += [(step, table) for table in tables]
         return readers
 
     def _write_run_yaml(self) -> None:
         text = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
         write_bytes_atomic(self.layout.run_yaml, text.encode())
-
-    def _ensure_toy_assets(self) -> None:
-        if self.cfg.toy_assets is not None:
-            from batchrl.toy import ensure_toy_assets_from_config
-
-            ensure_toy_assets_from_config(self.cfg.toy_assets)
 
     def _prepare_output_dir(self, step: PlannedStage, stage) -> None:
         """Keeps exactly the output that is still good, then marks the directory as this config's.
@@ -477,8 +500,8 @@ class Runner:
             names = []
         keep = {MANIFEST_NAME, STARTED_MARKER}
         if is_sharded(stage):
-            upstream = next(t for t in stage.inputs if t != "policy")
-            expected = self.plan[(_producer(upstream), _table_iteration(upstream, step.iteration))].manifest.parts
+            upstream = next(t for t in stage.inputs if t != POLICY)
+            expected = self.plan[(producer(upstream), table_iteration(upstream, step.iteration))].manifest.parts
             keep |= {p.name for p in expected} - set(step.damaged)
         strays = [n for n in names if n not in keep]
         if strays:
@@ -514,51 +537,31 @@ def _remove(uri: str) -> None:
     fs.invalidate_cache(path)
 
 
-_PRODUCERS = {"prompts": "ingest", "rollouts": "generate", "scores": "score", "advantages": "advantage",
-              "policy": "update", "evaluation": "evaluate"}
+def iteration_metrics(plan: dict[tuple[str, int | None], PlannedStage], stages: dict[str, Stage],
+                      iteration: int) -> dict:
+    """verl-style metric names for one iteration, from the manifests of the stages that ran in it.
 
-
-def _producer(table: str) -> str:
-    return _PRODUCERS[table]
-
-
-def _table_iteration(table: str, iteration: int | None) -> int | None:
-    return None if table == "prompts" else iteration
-
-
-def iteration_metrics(plan: dict[tuple[str, int | None], PlannedStage], iteration: int) -> dict:
-    """verl-style metric names for one iteration, from the stage manifests."""
+    Each stage adds its stats (and any metric of its own, `Stage.metrics`) and its duration as
+    timing_s/<timing_name>; timing_s/step sums the stages that are part of a training step. A stage that ran
+    before iteration 0 (the initial policy's evaluation) is reported with iteration 0 under initial/."""
     metrics: dict = {"iteration": iteration}
-    timing_names = {"generate": "gen", "score": "score", "advantage": "adv", "update": "update"}
-    step_time = 0.0
-    for name, short in timing_names.items():
-        manifest = plan[(name, iteration)].manifest
-        metrics.update(manifest.stats)
-        duration = manifest.finished_at - manifest.started_at
-        metrics[f"timing_s/{short}"] = round(duration, 3)
-        step_time += duration
-    metrics["timing_s/step"] = round(step_time, 3)
-    generate = plan[("generate", iteration)].manifest
-    metrics["perf/num_samples"] = generate.counts.get("num_samples", 0)
-    metrics["perf/throughput_gen_tokens_per_s"] = round(
-        generate.counts.get("response_tokens", 0) / max(1e-9, metrics["timing_s/gen"]), 2)
-    # verl's perf/throughput: tokens through the whole step per second (response tokens here; one host).
-    metrics["perf/throughput"] = round(generate.counts.get("response_tokens", 0) / max(1e-9, step_time), 2)
-    metrics["score/failed_samples"] = plan[("score", iteration)].manifest.counts.get("failed_samples", 0)
-    advantage = plan[("advantage", iteration)].manifest
-    metrics["critic/groups_all_equal"] = advantage.counts.get("groups_all_equal", 0)
-    evaluation = plan.get(("evaluate", iteration))
-    if evaluation is not None and evaluation.manifest is not None:  # held-out metrics of this iteration's policy
-        metrics.update(evaluation.manifest.stats)
-        metrics["timing_s/eval"] = round(evaluation.manifest.finished_at - evaluation.manifest.started_at, 3)
-    initial = plan.get(("evaluate", None))
-    if iteration == 0 and initial is not None and initial.manifest is not None:  # the policy before training
-        metrics.update({f"initial/{name}": value for name, value in initial.manifest.stats.items()})
+    ran = [(stage, plan[(name, iteration)].manifest) for name, stage in stages.items()
+           if (name, iteration) in plan and plan[(name, iteration)].manifest is not None]
+    timings = {stage.timing_name: manifest.finished_at - manifest.started_at
+               for stage, manifest in ran if stage.timing_name}
+    timings["step"] = sum(timings[stage.timing_name] for stage, _ in ran if stage.timing_name and stage.in_step_time)
+    for stage, manifest in ran:
+        metrics.update(stage.metrics(manifest, timings=timings))
+    metrics.update({f"timing_s/{name}": round(seconds, 3) for name, seconds in timings.items()})
+    for name, stage in stages.items():
+        before = plan.get((name, None))
+        if iteration == 0 and stage.per_iteration and before is not None and before.manifest is not None:
+            metrics.update({f"initial/{key}": value for key, value in before.manifest.stats.items()})
     return metrics
 
 
 @contextlib.contextmanager
-def _ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[None]:
+def _ray_session(runner: Runner, *, needed: bool = True) -> Iterator[None]:
     """Embedded local Ray (or the cluster at ray.address / $RAY_ADDRESS); not started when nothing will run."""
     import ray
     from ray.data import DataContext
@@ -566,6 +569,7 @@ def _ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[None]:
     if not needed or ray.is_initialized():
         yield
         return
+    cfg = runner.cfg
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     try:
         with kept_across("ray.init"):  # ray.init replaces the driver's SIGTERM handler (see interrupts)
@@ -574,10 +578,10 @@ def _ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[None]:
             else:
                 ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                          configure_logging=False)
-        set_embedded_ray(not address)
+        runner.embedded_ray = not address
         DataContext.get_current().enable_progress_bars = False
         yield
     finally:
         with deferred():  # a signal cutting ray.shutdown short would leave half of Ray running
-            set_embedded_ray(False)
+            runner.embedded_ray = False
             ray.shutdown()

@@ -35,20 +35,9 @@ from batchrl.storage import join, read_parquet, resolve, write_parquet_atomic
 logger = logging.getLogger(__name__)
 
 ACTOR_MAX_RESTARTS = 3  # restarts of one pool actor that died (process killed, OOM)
-_EMBEDDED_RAY = {"on": False}  # set by the runner: Ray runs on this machine only (no cluster)
 
 
-def set_embedded_ray(on: bool) -> None:
-    """Tells run_sharded whether the Ray it uses is an embedded local one (see `runs_in_driver`)."""
-    _EMBEDDED_RAY["on"] = on
-
-
-def embedded_ray() -> bool:
-    """Whether the Ray in use is an embedded local one (set by the runner), rather than a cluster."""
-    return _EMBEDDED_RAY["on"]
-
-
-def runs_in_driver(num_jobs: int, *, num_gpus: float) -> bool:
+def runs_in_driver(num_jobs: int, *, num_gpus: float, embedded_ray: bool) -> bool:
     """One CPU shard on an embedded local Ray: the driver processes it itself.
 
     Why: the pool would be one actor on this same machine, so there is no parallelism to gain, and starting
@@ -56,7 +45,7 @@ def runs_in_driver(num_jobs: int, *, num_gpus: float) -> bool:
     much as generating the shard. Rewards still run in their own child process (score isolation), so a
     crashing reward cannot take the driver down. Several shards, GPUs or a cluster keep the actor pool.
     """
-    return _EMBEDDED_RAY["on"] and num_jobs == 1 and not num_gpus
+    return embedded_ray and num_jobs == 1 and not num_gpus
 
 SHARD_MAX_RETRIES = 3  # retries of a shard whose actor died while processing it
 
@@ -189,14 +178,16 @@ def run_sharded(
     num_gpus: float = 0.0,
     description: str = "stage",
     progress_bars: bool = True,
+    embedded_ray: bool = False,
 ) -> tuple[list[PartInfo], dict[str, float]]:
-    """Runs ``worker_cls`` over every input part lacking an output part; returns parts and summed counts."""
+    """Runs ``worker_cls`` over every input part lacking an output part; returns parts and summed counts.
+    ``embedded_ray``: the Ray in use is the runner's own on this machine (StageContext.embedded_ray)."""
     import ray.data
 
     parts, counts, jobs = pending_shards(input_dir=input_dir, input_manifest=input_manifest, output_dir=output_dir,
                                          schema=worker_cls.schema, summarize=summarize)
     results: list[dict[str, Any]] = []
-    if jobs and runs_in_driver(len(jobs), num_gpus=num_gpus):
+    if jobs and runs_in_driver(len(jobs), num_gpus=num_gpus, embedded_ray=embedded_ray):
         results = process_in_driver(worker_cls, worker_kwargs, jobs)
     elif jobs:
         dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))

@@ -1,18 +1,28 @@
-"""The stage contract and the one stage registry.
+"""The stage contract and the one stage registry. This module imports no stage.
 
 A stage reads its predecessors' committed tables (through their manifests), writes its own table as
 deterministically named parts, and returns what the runner needs to write its manifest. Algorithms stay
 out of stages: a stage is glue between storage and a pure function.
+
+Why a base class with every hook declared (rather than a Protocol and ``getattr`` for the optional hooks): the
+runner knows no stage by name. It plans, checks, resumes, reports and cleans up any stage from what the stage
+declares here, so a new stage is one file with one ``@register``; and a reader sees every way a stage can
+take part in a run in one place. Ray Data LLM's processor stages declare their input keys the same way.
+
+The run order is the registration order (``batchrl/stages/__init__.py`` imports the built-in stages in
+pipeline order: that is where the order is configured). A stage may only read tables registered before it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from batchrl.config import PipelineConfig
-from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage import RunLayout
+from batchrl.storage.manifest import Manifest, PartInfo
+
+POLICY = "policy"  # the table that chains iterations: iteration i starts from the policy iteration i-1 wrote
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,7 @@ class StageContext:
     inputs: dict[str, Manifest]  # committed upstream manifests by table name ("prompts", "rollouts", ...)
     input_dirs: dict[str, str]
     policy_in: str  # policy this iteration starts from: model.path or the previous iteration's policy dir
+    embedded_ray: bool = False  # the Ray in use is one the runner started on this machine (not a cluster)
 
 
 @dataclass
@@ -36,39 +47,106 @@ class StageOutput:
     trainer_state: list[PartInfo] | None = None  # update: the optimizer state it saved (see Manifest.trainer_state)
 
 
-class Stage(Protocol):
+@dataclass(frozen=True)
+class ActorNeed:
+    """The resources one actor (or rank) of a stage asks Ray for, and the config field that sets them."""
+
+    cpus: float
+    gpus: float
+    cpus_field: str  # e.g. "generate.cpus_per_actor": what to lower when the cluster cannot hold one
+    gpus_field: str
+
+
+class Stage:
+    """Base class of every stage: the declarations the runner plans with, and the hooks it calls, with defaults.
+
+    Required: ``name``, ``table``, ``schema``, ``fingerprint_config`` and ``run``; the rest have defaults that
+    fit a plain per-iteration stage.
+    """
+
     name: ClassVar[str]  # stage name, as in `--from-stage` and the plan
     table: ClassVar[str]  # output directory name under the run / iteration directory
     schema: ClassVar[str | None]  # data_schemas/<schema>.json of the output table (None: not a table)
-    inputs: ClassVar[tuple[str, ...]]  # upstream tables; "policy" = the iteration's input policy
-    per_iteration: ClassVar[bool]
-    # Optional: ``planned_iterations(cfg) -> list[int | None]`` narrows where the stage runs (None = once, before
-    # iteration 0); and ``after_update = True`` makes its "policy" input the policy this iteration's update wrote
-    # (the evaluate stage). See `planned_iterations` below.
+    inputs: ClassVar[tuple[str, ...]] = ()  # upstream tables; POLICY = the iteration's input policy
+    per_iteration: ClassVar[bool] = True  # False: runs once, before iteration 0 (ingest)
+    # True: at iteration i its POLICY input is the policy iteration i wrote, not the one it started from (evaluate)
+    reads_new_policy: ClassVar[bool] = False
+    # True: it reads data.train_files, which an incremental run (run.new_files_only) narrows to the new files
+    reads_train_files: ClassVar[bool] = False
+    config_section: ClassVar[str | None] = None  # the optional config section that turns the stage on
+    timing_name: ClassVar[str | None] = None  # its duration in the iteration metrics: timing_s/<timing_name>
+    in_step_time: ClassVar[bool] = True  # its duration counts in timing_s/step (a training step's time)
+    summary_key: ClassVar[str | None] = None  # its stats are listed in RunSummary.reports[summary_key]
+
+    def planned_iterations(self, cfg: PipelineConfig) -> list[int | None]:
+        """Where the stage runs: None = once, before iteration 0; by default once or every iteration."""
+        return list(range(cfg.run.iterations)) if self.per_iteration else [None]
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         """The config that determines this stage's output (changing it invalidates the stage)."""
-        ...
+        raise NotImplementedError
 
-    def run(self, ctx: StageContext) -> StageOutput: ...
+    def check_inputs(self, cfg: PipelineConfig) -> None:
+        """Config-level checks before anything is written (ConfigError / DataError); skipped once it is done."""
+
+    def preflight(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> None:
+        """Checks against the once-per-run tables (``tables``: their manifests), before any iteration runs."""
+
+    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
+        """(config field, URI) of what the stage reads from outside the run: local ones must be shared on a
+        cluster of several nodes."""
+        return []
+
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        """What one of its actors or ranks asks Ray for: a cluster that cannot hold one is a config error."""
+        return []
+
+    def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
+        """Its contribution to an iteration's metrics (``timings``: the iteration's timing_s/* so far)."""
+        return dict(manifest.stats)
+
+    def run(self, ctx: StageContext) -> StageOutput:
+        raise NotImplementedError
+
+    @classmethod
+    def close(cls) -> None:
+        """At the end of a run (also an interrupted one): releases what the stage keeps across iterations."""
 
 
-STAGES: dict[str, type] = {}
+STAGES: dict[str, type[Stage]] = {}
 
 
-def register(cls: type) -> type:
+def register(cls: type[Stage]) -> type[Stage]:
+    """Adds a stage at the end of the run order; it may read only tables of stages registered before it."""
     if cls.name in STAGES:
         raise AssertionError(f"stage {cls.name!r} registered twice")
+    produced = {other.table for other in STAGES.values()} | {POLICY}
+    unknown = [t for t in cls.inputs if t not in produced]
+    if unknown:
+        raise AssertionError(f"stage {cls.name!r} reads {unknown}, which no stage registered before it writes")
     STAGES[cls.name] = cls
     return cls
 
 
-def planned_iterations(stage: Any, cfg: PipelineConfig) -> list[int | None]:
-    """Where a stage runs: once (None) or every iteration, unless the stage narrows it itself."""
-    custom = getattr(stage, "planned_iterations", None)
-    if custom is not None:
-        return list(custom(cfg))
-    return list(range(cfg.run.iterations)) if stage.per_iteration else [None]
+def unregister(name: str) -> None:
+    """Removes a stage (tests that register a throwaway stage)."""
+    STAGES.pop(name, None)
+
+
+def stage_order() -> list[str]:
+    """Stage names in run order (registration order)."""
+    if not STAGES:
+        raise AssertionError("no stage is registered: import batchrl.stages (batchrl.api does) before planning")
+    return list(STAGES)
+
+
+def planned_iterations(stage: Stage, cfg: PipelineConfig) -> list[int | None]:
+    return list(stage.planned_iterations(cfg))
+
+
+def producer(table: str) -> str:
+    """The name of the stage that writes ``table``."""
+    return next(name for name, cls in STAGES.items() if cls.table == table)
 
 
 def consumers(table: str) -> list[str]:
@@ -76,8 +154,13 @@ def consumers(table: str) -> list[str]:
     return [name for name, cls in STAGES.items() if table in cls.inputs]
 
 
-def stage_order() -> list[str]:
-    """Stage names in pipeline order: ingest once, then the per-iteration loop."""
-    import batchrl.stages  # noqa: F401  (registers the built-in stages)
+def table_iteration(table: str, iteration: int | None) -> int | None:
+    """The iteration whose ``table`` a stage of ``iteration`` reads: None for a table written once per run."""
+    return iteration if STAGES[producer(table)].per_iteration else None
 
-    return list(STAGES)
+
+def is_sharded(stage: Stage | type[Stage]) -> bool:
+    """Whether output part k is made from input part k alone (generate, score, advantage): such a stage
+    resumes shard by shard. A table-writing stage that reads a table is sharded by this contract."""
+    return stage.schema is not None and any(t != POLICY for t in stage.inputs)
+

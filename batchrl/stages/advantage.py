@@ -37,7 +37,8 @@ from batchrl.config import PipelineConfig
 from batchrl.config.models import AdvantageConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.errors import DataError
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.stage import Stage, StageContext, StageOutput, register
+from batchrl.storage.manifest import Manifest
 from batchrl.storage import join, read_parquet
 
 logger = logging.getLogger(__name__)
@@ -205,12 +206,15 @@ def global_moments(ctx: StageContext, cfg: AdvantageConfig) -> BatchMoments:
 
 
 @register
-class AdvantageStage:
+class AdvantageStage(Stage):
     name = "advantage"
     table = "advantages"
     schema = "advantages"
     inputs = ("scores",)
-    per_iteration = True
+    timing_name = "adv"
+
+    def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
+        return {**manifest.stats, "critic/groups_all_equal": manifest.counts.get("groups_all_equal", 0)}
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         # share_prompt changes how the reference forward is batched, not what it computes (up to float rounding)
@@ -228,7 +232,7 @@ class AdvantageStage:
             worker_cls=AdvantageWorker, worker_kwargs={"config": a.model_dump(), "moments": moments,
                                                         "reference_path": ctx.cfg.model.path},
             summarize=summarize_advantages, concurrency=max(1, ctx.cfg.ray.num_cpus or 2), num_cpus=1,
-            description="advantage", progress_bars=ctx.cfg.tracking.progress_bars)
+            description="advantage", progress_bars=ctx.cfg.tracking.progress_bars, embedded_ray=ctx.embedded_ray)
         n = counts.get("num_samples", 0)
         stats = {"critic/advantages/mean": counts["advantage_sum"] / n, "critic/advantages/max": counts["advantage_max"],
                  "critic/advantages/min": counts["advantage_min"]} if n else {}

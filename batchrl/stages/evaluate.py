@@ -44,7 +44,7 @@ from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import load_schema
 from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
 from batchrl.errors import DataError
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_name_for
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 
@@ -65,13 +65,25 @@ def evaluated_iterations(cfg: PipelineConfig) -> list[int | None]:
 
 
 @register
-class EvaluateStage:
+class EvaluateStage(Stage):
     name = "evaluate"
     table = "evaluation"
     schema = "evaluations"
     inputs = ("policy",)  # the policy EVALUATED: the initial one (iteration None) or iteration i's output
-    per_iteration = True
-    after_update = True  # at iteration i, "policy" is what iteration i's update wrote (not what it started from)
+    reads_new_policy = True  # at iteration i, "policy" is what iteration i's update wrote (not what it started from)
+    config_section = "evaluate"
+    timing_name = "eval"
+    in_step_time = False
+    summary_key = "evaluations"
+
+    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
+        return [] if cfg.evaluate is None else [("evaluate.files", uri) for uri in cfg.evaluate.files]
+
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        from batchrl.stages.generate import generation_actor_need
+        from batchrl.stages.score import ScoreStage
+
+        return [generation_actor_need(cfg)] + ScoreStage().actor_needs(cfg)  # the engines and reward models it uses
 
     def planned_iterations(self, cfg: PipelineConfig) -> list[int | None]:
         return evaluated_iterations(cfg)
@@ -108,7 +120,8 @@ class EvaluateStage:
         prompts_dir, prompts = ingest_eval_prompts(ctx)
         rollouts = generate_eval_rollouts(ctx, prompts_dir, prompts)
         scores_dir = join(ctx.output_dir, "_scores")
-        score_parts = score_eval_rollouts(cfg, join(ctx.output_dir, "_rollouts"), rollouts, scores_dir)
+        score_parts = score_eval_rollouts(cfg, join(ctx.output_dir, "_rollouts"), rollouts, scores_dir,
+                                          embedded_ray=ctx.embedded_ray)
         extract = answer_extractor(cfg)
         parts, tables = [], []
         for part in prompts.parts:
@@ -193,7 +206,8 @@ def _engine_pool(cfg: PipelineConfig):
                           num_gpus=g.gpus_per_actor)
 
 
-def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manifest, scores_dir: str) -> list[PartInfo]:
+def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manifest, scores_dir: str, *,
+                        embedded_ray: bool = False) -> list[PartInfo]:
     """Scores with the score stage's worker and config: in this process for rule rewards, on actors with a
     reward model (which may need a GPU).
 
@@ -208,7 +222,8 @@ def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manife
         parts, _ = run_sharded(input_dir=rollouts_dir, input_manifest=rollouts, output_dir=scores_dir,
                                worker_cls=ScoreWorker, worker_kwargs=ScoreStage.reward_kwargs(cfg),
                                summarize=lambda table: {}, concurrency=rm.num_actors, num_cpus=rm.cpus_per_actor,
-                               num_gpus=rm.gpus_per_actor, description="evaluate: score", progress_bars=False)
+                               num_gpus=rm.gpus_per_actor, description="evaluate: score", progress_bars=False,
+                               embedded_ray=embedded_ray)
         return parts
     jobs = [{"input_uri": join(rollouts_dir, p.name), "output_uri": join(scores_dir, p.name), "name": p.name,
              "input_sha256": p.sha256} for p in rollouts.parts]

@@ -28,7 +28,8 @@ import pyarrow as pa
 
 from batchrl.config import PipelineConfig
 from batchrl.pipeline.shards import ShardWorker, add_counts, part_info, pending_shards
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
+from batchrl.storage.manifest import Manifest
 from batchrl.storage import local_copy
 
 logger = logging.getLogger(__name__)
@@ -196,12 +197,25 @@ class EnginePool:
 
 
 @register
-class GenerateStage:
+class GenerateStage(Stage):
     name = "generate"
     table = "rollouts"
     schema = "rollouts"
     inputs = ("prompts", "policy")
-    per_iteration = True
+    timing_name = "gen"
+
+    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
+        return [("model.path", cfg.model.path)]  # the initial policy
+
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        return [generation_actor_need(cfg)]
+
+    def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
+        tokens = manifest.counts.get("response_tokens", 0)
+        # verl's perf/throughput: tokens through the whole step per second (response tokens here; one host).
+        return {**manifest.stats, "perf/num_samples": manifest.counts.get("num_samples", 0),
+                "perf/throughput_gen_tokens_per_s": round(tokens / max(1e-9, timings["gen"]), 2),
+                "perf/throughput": round(tokens / max(1e-9, timings["step"]), 2)}
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         placement = {"num_actors", "cpus_per_actor", "gpus_per_actor", "gpu_memory_utilization", "enforce_eager"}
@@ -230,6 +244,12 @@ class GenerateStage:
         return StageOutput(parts=[parts[p.name] for p in ctx.inputs["prompts"].parts],
                            counts={k: int(v) for k, v in counts.items() if not k.endswith("_s")},
                            stats=_stats(counts, timings))
+
+
+def generation_actor_need(cfg: PipelineConfig) -> ActorNeed:
+    g = cfg.generate
+    return ActorNeed(cpus=g.cpus_per_actor, gpus=g.gpus_per_actor, cpus_field="generate.cpus_per_actor",
+                     gpus_field="generate.gpus_per_actor")
 
 
 def engine_spec(cfg: PipelineConfig) -> EngineSpec:

@@ -29,7 +29,7 @@ from batchrl.config import ConfigError, PipelineConfig
 from batchrl.storage.manifest import PartInfo
 from batchrl.storage.schemas import load_schema
 from batchrl.errors import DataError
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.stage import Stage, StageContext, StageOutput, register
 from batchrl.storage import (
     StorageError,
     expand_parquet_files,
@@ -58,12 +58,15 @@ class Reject:
 
 
 @register
-class IngestStage:
+class IngestStage(Stage):
     name = "ingest"
     table = "prompts"
     schema = "prompts"
-    inputs: tuple[str, ...] = ()
     per_iteration = False
+    reads_train_files = True
+
+    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
+        return [("data.train_files", uri) for uri in cfg.data.train_files]
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         return {"data": cfg.data.model_dump(exclude_defaults=True), "tokenizer": cfg.model.tokenizer or cfg.model.path}

@@ -32,7 +32,8 @@ import pyarrow.compute as pc
 
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
+from batchrl.storage.manifest import Manifest
 from batchrl.rewards import resolve_reward
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
 from batchrl.rewards.isolation import IsolatedRewards
@@ -251,12 +252,22 @@ def score_stats(counts: Mapping[str, float]) -> dict[str, float]:
 
 
 @register
-class ScoreStage:
+class ScoreStage(Stage):
     name = "score"
     table = "scores"
     schema = "scores"
     inputs = ("rollouts",)
-    per_iteration = True
+    timing_name = "score"
+
+    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
+        rm = cfg.score.reward_model
+        return [] if rm is None else [("score.reward_model.path", rm.path)]
+
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        return [] if cfg.score.reward_model is None else [reward_model_actor_need(cfg)]
+
+    def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
+        return {**manifest.stats, "score/failed_samples": manifest.counts.get("failed_samples", 0)}
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         return {"score": cfg.score.model_dump(exclude_defaults=True)}
@@ -294,8 +305,14 @@ class ScoreStage:
             if path is not None:
                 _check_reward_model_path(path)
 
-    def preflight(self, cfg: PipelineConfig, *, data_sources: list[str]) -> None:
+    def preflight(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> None:
         """After ingest, before any generation: every data_source in the prompts has a reward."""
+        counts = tables["prompts"].counts  # ingest counts the rows of each data_source
+        self.check_data_sources(cfg, sorted(k.split("/", 1)[1] for k in counts if k.startswith("data_source/")))
+
+    def check_data_sources(self, cfg: PipelineConfig, data_sources: list[str]) -> None:
+        """Every data source has a reward (unless the reward model scores alone): a ConfigError names the first
+        one without."""
         rewards = self._rule_reward_set(cfg)
         for data_source in data_sources if rewards is not None else []:
             _as_config_error(lambda data_source=data_source: rewards.terms_for(data_source))
@@ -308,7 +325,7 @@ class ScoreStage:
             worker_cls=ScoreWorker, worker_kwargs=self.reward_kwargs(cfg), summarize=summarize_scores,
             concurrency=rm.num_actors if rm else max(1, cfg.ray.num_cpus or 2),
             num_cpus=rm.cpus_per_actor if rm else 1, num_gpus=rm.gpus_per_actor if rm else 0.0,
-            description="score", progress_bars=cfg.tracking.progress_bars)
+            description="score", progress_bars=cfg.tracking.progress_bars, embedded_ray=ctx.embedded_ray)
         n = int(counts.get("num_samples", 0))
         if counts.get("failed_samples"):
             logger.warning("%d of %d samples failed to score (%d timed out; see score_errors)",
@@ -316,6 +333,12 @@ class ScoreStage:
         kept = {k: int(v) for k, v in counts.items()
                 if k in ("failed_samples", "timed_out_samples", "reward_model_truncated") or k.startswith("failed/")}
         return StageOutput(parts=parts, counts={"num_samples": n, **kept}, stats=score_stats(counts))
+
+
+def reward_model_actor_need(cfg: PipelineConfig) -> ActorNeed:
+    rm = cfg.score.reward_model
+    return ActorNeed(cpus=rm.cpus_per_actor, gpus=rm.gpus_per_actor, cpus_field="score.reward_model.cpus_per_actor",
+                     gpus_field="score.reward_model.gpus_per_actor")
 
 
 def _as_config_error(check: Callable[[], Any]) -> Any:

@@ -39,7 +39,7 @@ from typing import Any, Callable
 from batchrl.config import PipelineConfig
 from batchrl.storage.manifest import PartInfo, file_sizes, read_manifest
 from batchrl.errors import DataError
-from batchrl.pipeline.stage import StageContext, StageOutput, register
+from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
 from batchrl.tracking.progress import ProgressBar, progress
 
@@ -51,12 +51,24 @@ LOGPROBS_PART = "_logprobs/part-00000.parquet"
 
 
 @register
-class UpdateStage:
+class UpdateStage(Stage):
     name = "update"
     table = "policy"
     schema = None
     inputs = ("advantages", "policy")
-    per_iteration = True
+    timing_name = "update"
+
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        if cfg.update.launcher != "ray":  # auto is ray on a cluster only, and ranks on this host ask Ray for nothing
+            return []
+        return [ActorNeed(cpus=cfg.update.cpus_per_rank, gpus=0.0, cpus_field="update.cpus_per_rank",
+                          gpus_field="update.num_processes")]
+
+    @classmethod
+    def close(cls) -> None:
+        from batchrl.trainer import shutdown_trainers
+
+        shutdown_trainers()  # resident update ranks (update.trainer_lifetime: run) end with the run
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         u = cfg.update
@@ -71,7 +83,7 @@ class UpdateStage:
         from batchrl.trainer import shutdown_trainers
         from batchrl.trainer.integrity import TrainerStateError
 
-        on_ray = _launcher(ctx.cfg) == "ray"
+        on_ray = _launcher(ctx.cfg, embedded_ray=ctx.embedded_ray) == "ray"
         resident = ctx.cfg.update.trainer_lifetime == "run" and not on_ray
         if not resident:
             shutdown_trainers()  # ranks left resident by an earlier configuration in this process
@@ -175,16 +187,14 @@ def _progress_display(bar: ProgressBar) -> Callable[[dict[str, Any]], None]:
     return show
 
 
-def _launcher(cfg: PipelineConfig) -> str:
+def _launcher(cfg: PipelineConfig, *, embedded_ray: bool) -> str:
     """update.launcher, with auto resolved: ray when this process is connected to a Ray cluster (not the runner's
     embedded local Ray, where local processes are the same machine without the actor overhead), else local."""
     if cfg.update.launcher != "auto":
         return cfg.update.launcher
     import ray
 
-    from batchrl.pipeline.shards import embedded_ray
-
-    return "ray" if ray.is_initialized() and not embedded_ray() else "local"
+    return "ray" if ray.is_initialized() and not embedded_ray else "local"
 
 
 def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:

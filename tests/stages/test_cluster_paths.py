@@ -94,7 +94,7 @@ def test_an_update_on_several_nodes_refuses_the_paths_a_node_does_not_see():
 def test_a_run_on_a_cluster_whose_nodes_do_not_see_its_local_root_is_a_config_error(two_nodes, tmp_path, monkeypatch):
     from batchrl.config import ConfigError
     from batchrl.config.models import PipelineConfig
-    from batchrl.pipeline.runner import Runner
+    from batchrl.api import Runner
     from batchrl.storage import cluster
 
     model = tmp_path / "model"

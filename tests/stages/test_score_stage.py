@@ -52,10 +52,10 @@ def test_preflight_wants_a_reward_for_every_data_source_unless_the_reward_model_
         tmp_path, toy_model_dir, toy_prompts_dir, reward_model_dir):  # noqa: F811
     rules = config(tmp_path, toy_model_dir, toy_prompts_dir, {})
     with pytest.raises(ConfigError, match="no reward for data_source 'chat'"):
-        ScoreStage().preflight(rules, data_sources=["arith", "chat"])
+        ScoreStage().check_data_sources(rules, ["arith", "chat"])
     model_only = config(tmp_path, toy_model_dir, toy_prompts_dir, {"reward_model": {"path": reward_model_dir}})
     ScoreStage().check_inputs(model_only)
-    ScoreStage().preflight(model_only, data_sources=["arith", "chat"])
+    ScoreStage().check_data_sources(model_only, ["arith", "chat"])
 
 
 @pytest.fixture(scope="module")

@@ -163,19 +163,17 @@ def test_a_failing_rank_raises_its_error_and_leaves_no_placement_group(ray_sessi
 def test_auto_launches_on_ray_only_on_a_cluster_and_the_launcher_is_not_in_the_fingerprint(ray_session, tmp_path):
     from batchrl.config import ConfigError, load_pipeline
     from batchrl.config.models import PipelineConfig
-    from batchrl.pipeline.shards import set_embedded_ray
     from batchrl.stages.update import UpdateStage, _launcher
 
     def config(**update) -> PipelineConfig:
         return PipelineConfig(name="t", model={"path": "m"}, data={"train_files": ["x.parquet"]}, update=update)
 
-    try:
-        set_embedded_ray(True)  # the runner's own local Ray
-        assert _launcher(config()) == "local" and _launcher(config(launcher="ray")) == "ray"
-        set_embedded_ray(False)  # connected to a cluster (this test's Ray stands in for one)
-        assert _launcher(config()) == "ray" and _launcher(config(launcher="local")) == "local"
-    finally:
-        set_embedded_ray(False)
+    # the runner's own local Ray
+    assert _launcher(config(), embedded_ray=True) == "local"
+    assert _launcher(config(launcher="ray"), embedded_ray=True) == "ray"
+    # connected to a cluster (this test's Ray stands in for one)
+    assert _launcher(config(), embedded_ray=False) == "ray"
+    assert _launcher(config(launcher="local"), embedded_ray=False) == "local"
     fingerprint = UpdateStage().fingerprint_config
     assert fingerprint(config(launcher="ray", cpus_per_rank=4)) == fingerprint(config(launcher="local")) == \
         fingerprint(config())

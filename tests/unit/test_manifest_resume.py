@@ -160,8 +160,8 @@ def redone_update(rows: int) -> type:
 
 def redo_update_0(cfg, monkeypatch, *, rows: int) -> dict:
     """Runs iteration 0's update (a stand-in writing ``rows`` rows) the way a resumed run does; the plan after it."""
-    runner = Runner(cfg)
     monkeypatch.setitem(STAGES, "update", redone_update(rows))
+    runner = Runner(cfg)
     runner.stage("update", 0)
     return {s.label: s for s in runner.steps}
 

@@ -12,6 +12,7 @@ import pytest
 
 from batchrl.config import ConfigError, validate_dict
 from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
+import batchrl.stages  # noqa: F401  (registers the built-in stages)
 from batchrl.pipeline.runner import STARTED_MARKER, build_plan, check_from_stage
 
 
