@@ -1,0 +1,101 @@
+"""A stage is a file and a `@register`, nothing else: a throwaway stage, defined here and registered in this test
+only, runs in a real pipeline, is planned, fingerprinted, resumed, reported and closed like a built-in one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchrl.api import Runner, build_plan, check_from_stage
+from batchrl.config import PipelineConfig
+from batchrl.pipeline.stage import STAGES, Stage, StageContext, StageOutput, register, unregister
+from batchrl.storage import write_bytes_atomic
+from batchrl.storage.manifest import Manifest, PartInfo
+
+pytestmark = pytest.mark.slow
+
+
+class SampleCount(Stage):
+    """Counts the scored samples of each iteration: reads a built-in table, writes one JSON file."""
+
+    name = "sample_count"
+    table = "sample_count"
+    schema = None  # not a Parquet table
+    inputs = ("scores",)
+    timing_name = "count"
+    in_step_time = False
+    closed = 0
+
+    def fingerprint_config(self, cfg: PipelineConfig) -> dict:
+        return {"samples_per_prompt": cfg.generate.num_samples_per_prompt}
+
+    def run(self, ctx: StageContext) -> StageOutput:
+        groups = sum(part.rows for part in ctx.inputs["scores"].parts)
+        samples = groups * ctx.cfg.generate.num_samples_per_prompt
+        data = json.dumps({"samples": samples}).encode()
+        write_bytes_atomic(f"{ctx.output_dir}/count.json", data)
+        return StageOutput(parts=[PartInfo("count.json", 1, "", len(data))], stats={"count/samples": samples})
+
+    def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
+        return {**manifest.stats, "count/seconds_share": timings["count"] / max(1e-9, timings["step"])}
+
+    @classmethod
+    def close(cls) -> None:
+        cls.closed += 1
+
+
+@pytest.fixture
+def with_sample_count():
+    register(SampleCount)
+    yield
+    unregister(SampleCount.name)
+
+
+def config(root: Path, toy_model_dir: str, toy_prompts_dir: str) -> PipelineConfig:
+    return PipelineConfig.model_validate({
+        "name": "contract", "run": {"root": str(root), "iterations": 2, "seed": 1},
+        "model": {"path": toy_model_dir},
+        "data": {"train_files": [toy_prompts_dir], "max_prompts": 4, "shard_size": 4},
+        "generate": {"engine": "hf", "num_samples_per_prompt": 2, "max_new_tokens": 4},
+        "score": {"rewards": [{"reward": "gsm8k"}]},
+        "ray": {"num_cpus": 2}, "tracking": {"progress_bars": False},
+    })
+
+
+def test_a_registered_throwaway_stage_runs_every_iteration_and_resumes_like_a_built_in_one(
+        with_sample_count, tmp_path, toy_model_dir, toy_prompts_dir):
+    cfg = config(tmp_path, toy_model_dir, toy_prompts_dir)
+    assert list(STAGES)[-1] == "sample_count"
+    assert [s.label for s in build_plan(cfg, check_storage=False) if s.name == "sample_count"] == [
+        "iter 0 sample_count", "iter 1 sample_count"]
+
+    summary = Runner(cfg).run()
+    assert [label for label in summary.ran if "sample_count" in label] == ["iter 0 sample_count", "iter 1 sample_count"]
+    assert SampleCount.closed == 1
+    run_dir = Path(summary.run_dir)
+    for iteration, metrics in enumerate(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()):
+        written = json.loads((run_dir / f"iter_{iteration:04d}" / "sample_count" / "count.json").read_text())
+        assert written == {"samples": 4 * 2} and metrics["count/samples"] == 8
+        assert metrics["timing_s/count"] >= 0 and "count/seconds_share" in metrics
+        assert metrics["timing_s/step"] == pytest.approx(sum(metrics[f"timing_s/{t}"] for t in ("gen", "score", "adv", "update")),
+                                                         abs=0.01)  # its time is not a training step's
+
+    again = Runner(cfg).run()
+    assert again.ran == [] and "iter 1 sample_count" in again.skipped
+    check_from_stage(cfg, "sample_count", 1)  # a stage of this run, per iteration
+    forced = build_plan(cfg, from_stage="sample_count", from_iteration=0)
+    assert [s.label for s in forced if s.status == "forced"] == ["iter 0 sample_count", "iter 1 sample_count"]
+
+
+def test_an_actor_that_asks_for_more_than_the_embedded_ray_has_is_a_config_error_before_any_stage_runs(
+        tmp_path, toy_model_dir, toy_prompts_dir):
+    from batchrl.config import ConfigError
+
+    cfg = config(tmp_path, toy_model_dir, toy_prompts_dir)
+    cfg = cfg.model_copy(update={"generate": cfg.generate.model_copy(update={"gpus_per_actor": 1.0})})
+    with pytest.raises(ConfigError, match=r"generate\.gpus_per_actor=1: one generate actor asks for 1 GPU, but the "
+                                          r"Ray cluster has 0 in all"):
+        Runner(cfg).run()
+    assert not (tmp_path / "contract").exists() or not any((tmp_path / "contract").rglob("_MANIFEST.json"))
