@@ -27,3 +27,26 @@ def toy_model_dir(toy_assets_dir: Path) -> str:
 def toy_prompts_dir(toy_assets_dir: Path) -> str:
     """batchrl-format arithmetic prompts: part-00000.parquet .. part-00003.parquet, 256 rows in all."""
     return str(toy_assets_dir / "prompts")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray of 2 CPUs for one test module, whose workers can import tests/stages (the custom rewards); the
+    Ray this process is already connected to when there is one. Engines a test left in the run-wide pool go first."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    stages_dir = str(Path(__file__).parent / "stages")
+    pythonpath = os.pathsep.join(filter(None, [stages_dir, os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    yield
+    from batchrl.stages.generate import EnginePool
+
+    if EnginePool._current is not None:
+        EnginePool._current.shutdown()
+    ray.shutdown()

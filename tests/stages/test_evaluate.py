@@ -115,19 +115,6 @@ def test_compare_reports_core_metrics_in_points():
     assert lines == ["val-core/arith/reward/mean@1: 0.250 -> 0.625 (+37.5 points)"]
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from batchrl.stages.generate import EnginePool
-
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    if EnginePool._current is not None:
-        EnginePool._current.shutdown()
-    ray.shutdown()
-
-
 def run_evaluate(cfg, out_name: str):
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     out_dir = f"{layout.run_dir}/{out_name}"

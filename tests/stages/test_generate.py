@@ -18,16 +18,6 @@ ENGINES = ["hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipi
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    EnginePool._current = None
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def second_policy(tmp_path_factory, toy_model_dir):
     """Same architecture and tokenizer as the toy model, different weights."""
     from batchrl.toy import build_toy_model

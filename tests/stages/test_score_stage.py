@@ -58,17 +58,6 @@ def test_preflight_wants_a_reward_for_every_data_source_unless_the_reward_model_
     ScoreStage().check_data_sources(model_only, ["arith", "chat"])
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    yield
-    ray.shutdown()
-
-
 def test_a_hanging_reward_times_out_inside_ray_actors_and_the_stage_completes(
         ray_session, tmp_path, toy_model_dir, toy_prompts_dir, reward_model_dir):  # noqa: F811
     cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, {

@@ -23,19 +23,6 @@ OPTIONS = dict(num_processes=2, backend="gloo", lr=1e-4, micro_batch_size=2, ppo
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    """A local Ray instance with 2 CPUs (one per rank), unless the process is already connected to one."""
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("trainer_ray")
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import load_schema
-from batchrl.pipeline.shards import ShardWorker, run_sharded, runs_in_driver, set_embedded_ray
+from batchrl.pipeline.shards import ShardWorker, run_sharded, runs_in_driver
 from batchrl.storage import write_parquet_atomic
 
 
@@ -39,37 +39,29 @@ def one_part(tmp_path) -> Manifest:
                     started_at=0.0, finished_at=0.0)
 
 
-def run(tmp_path, out: str, manifest: Manifest):
+def run(tmp_path, out: str, manifest: Manifest, *, embedded_ray: bool):
     return run_sharded(input_dir=str(tmp_path / "in"), input_manifest=manifest, output_dir=str(tmp_path / out),
                        worker_cls=Shouter, worker_kwargs={"suffix": "!"}, summarize=lambda t: {"rows": t.num_rows},
-                       concurrency=2, num_cpus=1, progress_bars=False)
+                       concurrency=2, num_cpus=1, progress_bars=False, embedded_ray=embedded_ray)
 
 
 def test_only_a_lone_cpu_shard_on_an_embedded_ray_runs_in_the_driver():
-    set_embedded_ray(True)
-    try:
-        assert runs_in_driver(1, num_gpus=0) and not runs_in_driver(2, num_gpus=0)
-        assert not runs_in_driver(1, num_gpus=1)
-    finally:
-        set_embedded_ray(False)
-    assert not runs_in_driver(1, num_gpus=0)  # a cluster (or no runner): the actor pool
+    assert runs_in_driver(1, num_gpus=0, embedded_ray=True) and not runs_in_driver(2, num_gpus=0, embedded_ray=True)
+    assert not runs_in_driver(1, num_gpus=1, embedded_ray=True)
+    assert not runs_in_driver(1, num_gpus=0, embedded_ray=False)  # a cluster (or no runner): the actor pool
 
 
 def test_the_driver_writes_the_same_part_as_the_actor_pool(tmp_path):
     import ray
 
     manifest = one_part(tmp_path)
-    set_embedded_ray(True)
-    try:
-        assert not ray.is_initialized()
-        local_parts, local_counts = run(tmp_path, "local", manifest)
-        assert not ray.is_initialized()  # no Ray at all was needed
-    finally:
-        set_embedded_ray(False)
+    assert not ray.is_initialized()
+    local_parts, local_counts = run(tmp_path, "local", manifest, embedded_ray=True)
+    assert not ray.is_initialized()  # no Ray at all was needed
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
     try:
-        pool_parts, pool_counts = run(tmp_path, "pool", manifest)
+        pool_parts, pool_counts = run(tmp_path, "pool", manifest, embedded_ray=False)
     finally:
         ray.shutdown()
     assert local_parts == pool_parts and local_counts == pool_counts == {"rows": 3.0}
