@@ -226,6 +226,7 @@ def _fmt(value) -> str:
 def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) holding run.yaml."),
            verify: bool = VerifyOpt) -> None:
     """Each stage of a run: done / partial (k of n shards) / pending / stale / damaged; rows, rejects, durations, lock."""
+    _require_s3_credentials(run_dir)
     from batchrl.pipeline.lineage import read_lineage
     from batchrl.pipeline.lock import holder_state, lock_holder
     from batchrl.api import build_plan
@@ -252,6 +253,20 @@ def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
                 "other host": f" (if that run is gone: batchrl unlock {run_dir})"}.get(state, "")
         typer.echo(f"lock: held by pid {holder.get('pid')} on {holder.get('host')} since "
                    f"{time.ctime(holder.get('since', 0))}, {state}{hint}")
+
+
+def _require_s3_credentials(uri: str) -> None:
+    """Exit 2 with one line when ``uri`` is on S3 and botocore finds no credentials (its NoCredentialsError would
+    otherwise surface as a traceback on the first read)."""
+    if not uri.startswith(("s3://", "s3a://")):
+        return
+    from batchrl.storage.sources import s3_credentials_problem
+
+    problem = s3_credentials_problem()
+    if problem is not None:
+        typer.echo(f"config error: {uri} is on S3, but {problem}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                   "(and AWS_ENDPOINT_URL for an S3-compatible store), or AWS_PROFILE", err=True)
+        raise typer.Exit(EXIT_CONFIG)
 
 
 def _is_run_dir(uri: str) -> bool:
@@ -287,6 +302,7 @@ def _run_config(run_dir: str) -> PipelineConfig:
 @app.command()
 def unlock(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) whose run.lock to clear.")) -> None:
     """Clear the lock of a run that is no longer running (e.g. a killed job on another host)."""
+    _require_s3_credentials(run_dir)
     from batchrl.pipeline.lock import RunLockedError, break_lock
     from batchrl.storage import RunLayout
 
@@ -306,6 +322,7 @@ def inspect(table: str = typer.Argument(..., help="A stage table directory, a Pa
                                         "(local or s3://)."),
             rows: int = typer.Option(3, "--rows", "-n", help="Rows to show.")) -> None:
     """Print the schema, row count and first rows of a stage table."""
+    _require_s3_credentials(table)
     from batchrl.storage.manifest import read_manifest
     from batchrl.storage import StorageError, join, read_parquet
 
@@ -338,6 +355,9 @@ def report(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
            groups: int = typer.Option(3, "--groups", help="Sample groups shown per iteration.")) -> None:
     """Plots of reward, accuracy, KL, entropy, response length and timings per iteration, and an HTML page
     with the best and worst completion of sample groups per iteration."""
+    _require_s3_credentials(run_dir)
+    if out is not None:
+        _require_s3_credentials(out)
     from batchrl.storage import StorageError
     from batchrl.tracking.report import write_report
 

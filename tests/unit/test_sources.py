@@ -111,3 +111,15 @@ def test_credentials_are_not_asked_for_when_nothing_is_on_s3(no_aws_credentials,
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
     check_s3_credentials(config(root="s3://bucket/runs"))
+
+
+@pytest.mark.parametrize("command", [["status", "s3://bucket/runs/r"], ["inspect", "s3://bucket/runs/r/prompts"],
+                                     ["unlock", "s3://bucket/runs/r"], ["report", "s3://bucket/runs/r"]])
+def test_commands_that_read_a_run_on_s3_without_credentials_exit_2_with_one_line(no_aws_credentials, command):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "batchrl.cli", *command], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("config error: s3://bucket/runs/r") and "AWS_ACCESS_KEY_ID" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
