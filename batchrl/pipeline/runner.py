@@ -263,7 +263,6 @@ class Runner:
         self.trackers = Trackers([])  # opened in run()
 
     def run(self) -> RunSummary:
-        self._ensure_toy_assets()
         self.check_inputs()  # config errors surface here, before the run directory is touched
         with RunLock(self.layout.lock), reaping_orphans():  # nothing the run starts outlives the driver
             self._write_run_yaml()  # first: `batchrl status` reads it, even of a run killed while starting
@@ -454,12 +453,6 @@ class Runner:
     def _write_run_yaml(self) -> None:
         text = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
         write_bytes_atomic(self.layout.run_yaml, text.encode())
-
-    def _ensure_toy_assets(self) -> None:
-        if self.cfg.toy_assets is not None:
-            from batchrl.toy import ensure_toy_assets_from_config
-
-            ensure_toy_assets_from_config(self.cfg.toy_assets)
 
     def _prepare_output_dir(self, step: PlannedStage, stage) -> None:
         """Keeps exactly the output that is still good, then marks the directory as this config's.

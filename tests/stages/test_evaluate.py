@@ -22,7 +22,7 @@ from batchrl.stages.evaluate import (
     evaluation_table,
 )
 from batchrl.storage import RunLayout, read_parquet
-from batchrl.toy import build_arith_prompts
+from batchrl_toy import build_arith_prompts
 
 
 def config(tmp_path, model_dir="m", eval_files=("e",), evaluate=None, iterations=1):
