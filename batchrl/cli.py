@@ -168,10 +168,15 @@ def _run(pipeline: Path, overrides: list[str], run_id: str | None, *, from_stage
     from batchrl.pipeline.lock import RunLockedError
     from batchrl.api import Runner
     from batchrl.errors import DataError
+    from batchrl.setup_steps import run_setup_steps
     from batchrl.storage import StorageError, is_transient_storage_error
 
     try:
-        summary = Runner(cfg, from_stage=from_stage, from_iteration=iteration, verify_checksums=verify).run()
+        runner = Runner(cfg, from_stage=from_stage, from_iteration=iteration, verify_checksums=verify)  # plans only
+        # The pipeline's setup: steps (the quickstart's toy model) make what the run reads: after the plan's checks
+        # (which read the config alone), before the runner checks its inputs.
+        run_setup_steps(cfg.setup)
+        summary = runner.run()
     except Exception as err:  # noqa: BLE001 — mapped to exit codes below, unknown errors re-raised
         transient = _find_cause(err, is_transient_storage_error)
         if transient is not None:
@@ -288,6 +293,9 @@ def _run_config(run_dir: str) -> PipelineConfig:
     except (FileNotFoundError, StorageError):
         typer.echo(f"data error: {run_dir} has no run.yaml (not a batchrl run directory?)", err=True)
         raise typer.Exit(EXIT_DATA) from None
+    if isinstance(raw, dict):
+        # run.yaml of a run started before setup: existed. status never builds anything, so the section can go.
+        raw.pop("toy_assets", None)
     try:
         cfg = validate_dict(raw, source=f"{run_dir}/run.yaml")
     except ConfigError as err:

@@ -22,7 +22,7 @@ def main() -> None:
 
     from batchrl.stages.generate import EngineSpec, GenerateWorker, ShardSettings
     from batchrl.storage import write_parquet_atomic
-    from batchrl.toy import build_arith_prompts, build_toy_model
+    from batchrl_toy import build_arith_prompts, build_toy_model
     from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pipeline(tmp: Path, *, iterations: int) -> Path:
-    from batchrl.toy import ensure_toy_assets
+    from batchrl_toy import ensure_toy_assets
 
     ensure_toy_assets(tmp / "toy" / "model", tmp / "toy" / "prompts", num_prompts=8, num_shards=2, seed=0)
     raw = {

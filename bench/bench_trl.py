@@ -249,14 +249,13 @@ def main() -> None:
 
 def compare(pipeline: str, iterations: int | None, work: str) -> None:
     """Both trainings, the three evaluations, and the RESULT lines."""
-    from batchrl.toy import ensure_toy_assets_from_config
+    from batchrl.setup_steps import run_setup_steps
 
     os.chdir(REPO)  # the pipeline's relative paths (.cache/toy/...)
     cfg = load_config(pipeline, work, iterations)
     if cfg.evaluate is None:
         raise SystemExit(f"{pipeline} has no evaluate: section (held-out prompts) to compare accuracy on")
-    if cfg.toy_assets is not None:
-        ensure_toy_assets_from_config(cfg.toy_assets)
+    run_setup_steps(cfg.setup)  # the quickstart's toy model and prompts, which TRL trains on too
     n = cfg.run.iterations
     batchrl_wall, metrics, batchrl_policy = run_batchrl(pipeline, work, n)
     batchrl_step_s = steady([m["timing_s/step"] for m in metrics])

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from batchrl.toy import build_toy_model
+from batchrl_toy import build_toy_model
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.batching import padding_ratio, plan_micro_batches
 from batchrl.trainer.data import read_advantages, samples_from_table

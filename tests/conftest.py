@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrl.toy import ensure_toy_assets
+from batchrl_toy import ensure_toy_assets
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,8 @@
   importance sampling, loss aggregation modes, entropy bonus.
 - kl (torch, numpy): per-token KL estimators (k1, k2, k3, low_var_kl, ...) for a loss term, and the KL
   folded into sequence rewards.
+- evaluation (numpy): held-out metrics as verl's val-core names them: mean@k, unbiased pass@k, majority
+  vote and maj@k, per data_source.
 
 Stages and the trainer are the glue that feeds them. Submodules are imported explicitly (the numpy-only
 advantage stage need not import torch).

@@ -84,6 +84,8 @@ def _did_you_mean(loc: tuple) -> str:
         if isinstance(part, int):
             continue  # an index into a list of sections: the list's item model is already in hand
         field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            continue  # a key of a mapping of sections (setup.<name>): its value model is already in hand
         annotation = getattr(field, "annotation", None)
         model = next((a for a in (annotation, *getattr(annotation, "__args__", ())) if hasattr(a, "model_fields")),
                      None)

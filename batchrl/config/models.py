@@ -7,9 +7,12 @@ silently ignored setting. Validators check values only: they never touch storage
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from batchrl.references import is_reference
 
 
 class _Strict(BaseModel):
@@ -47,25 +50,26 @@ class ModelConfig(_Strict):
     trust_remote_code: bool = Field(False, description="Allow custom modelling code from the checkpoint.")
 
 
-class ToyAssetsConfig(_Strict):
-    """Builds a tiny local model and synthetic arithmetic prompts if they are absent (quickstart, tests)."""
+class SetupStep(_Strict):
+    """A function `batchrl run` calls before the run starts, e.g. to build the quickstart's toy model or fetch a
+    dataset snapshot. Steps run in the order written (a profile's first), at every `batchrl run` (resumes too), so
+    a step should do nothing when its work is already done. Loading the pipeline checks only the form of `call`;
+    `batchrl run` imports every step's function and checks that it takes `arguments` before the first step runs,
+    as it does for custom rewards (a mistake: exit 2, nothing run). A step reports bad arguments by raising
+    batchrl.errors.ConfigError (exit 2). `batchrl plan`, `status` and `validate` never call them: fingerprints
+    come from the config alone, never from what a step builds."""
 
-    model_dir: str = Field(..., description="Where the tiny model is built (if absent); point model.path here.")
-    data_dir: str = Field(..., description="Where synthetic prompt shards are built (if absent); point data.train_files here.")
-    num_prompts: int = Field(64, ge=1, description="Number of synthetic prompts.")
-    num_shards: int = Field(2, ge=1, description="Number of prompt Parquet shards written.")
-    format: Literal["batchrl", "verl"] = Field("batchrl", description="Column layout of the synthetic prompts.")
-    seed: int = Field(0, description="Seed for the model's random init and the prompts.")
-    max_operand: int = Field(50, ge=1, description="Operands of the arithmetic prompts are 0..max_operand.")
-    sft_steps: int = Field(0, ge=0, description="Supervised warm start of the model when it is built "
-                           "(batchrl.toy.sft_warm_start: steps of 32 '#### n' demonstrations, never a held-out "
-                           "question); 0 = random weights, which never earn a reward.")
-    sft_format_share: float = Field(1.0, ge=0.0, le=1.0, description="Share of the SFT demonstrations that end "
-                                    "'#### n'; the others end '#### n.', which the strict gsm8k reward (as verl's) "
-                                    "reads as 'n.' and scores 0, so the warm model has the grader's format to learn.")
-    eval_dir: str | None = Field(None, description="Where held-out prompts are built (if absent); point "
-                                 "evaluate.files here. The training prompts then avoid every held-out question.")
-    num_eval_prompts: int = Field(64, ge=1, description="Number of held-out prompts built in eval_dir.")
+    call: str = Field(..., description="The function, as 'package.module:function' (importable from the job's "
+                      "Python path, as a custom reward), e.g. batchrl_toy:setup_toy_assets.")
+    arguments: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the call.")
+
+    @field_validator("call")
+    @classmethod
+    def _call_is_a_reference(cls, call: str) -> str:
+        if not is_reference(call):
+            raise ValueError("must look like 'package.module:function' (a function importable from the job's "
+                             "Python path), e.g. 'batchrl_toy:setup_toy_assets'")
+        return call
 
 
 class DataConfig(_Strict):
@@ -367,9 +371,12 @@ class PipelineConfig(_Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Pipeline name (default run id).")
     profiles: list[str] = Field(default_factory=list, description="conf/ profiles merged under this file, "
                                 "e.g. engine/vllm_cpu (conf/engine/vllm_cpu.yaml).")
+    setup: dict[str, SetupStep] = Field(default_factory=dict, description="Functions `batchrl run` calls before the "
+                                        "run, by name: {toy_assets: {call: batchrl_toy:setup_toy_assets, arguments: "
+                                        "{...}}}. A name is letters, digits, _ and -, so that --set "
+                                        "setup.<name>.arguments.<key>=value reaches it.")
     run: RunConfig = Field(default_factory=RunConfig, description="Run directory, seed and iterations.")
     model: ModelConfig = Field(..., description="Initial policy and tokenizer.")
-    toy_assets: ToyAssetsConfig | None = Field(None, description="Build a tiny model and prompts if absent (quickstart).")
     data: DataConfig = Field(..., description="Prompt data.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Rollout generation.")
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="Reward scoring.")
@@ -380,6 +387,15 @@ class PipelineConfig(_Strict):
                                             "iterations (val-core/* metrics); None = no evaluation.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metric loggers (TensorBoard, "
                                      "MLflow, W&B) and progress bars.")
+
+    @field_validator("setup")
+    @classmethod
+    def _setup_names_are_plain(cls, setup: dict[str, SetupStep]) -> dict[str, SetupStep]:
+        for name in setup:
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+                raise ValueError(f"step name {name!r} must be letters, digits, _ and - (it is part of the field "
+                                 f"names setup.<name>.call and setup.<name>.arguments)")
+        return setup
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "PipelineConfig":

@@ -7,6 +7,7 @@ tests/unit/test_config_reference.py fails while the committed file differs from 
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import types
@@ -43,40 +44,44 @@ def _sections(model: type[BaseModel], *, prefix: str) -> list[tuple[str, type[Ba
     """(dotted path, model) of ``model`` and of every section under it, parents first."""
     out = [(prefix, model)]
     for name, field in model.model_fields.items():
-        sub, is_list = _submodel(field.annotation)
+        sub, item = _submodel(field.annotation)
         if sub is not None:
-            out += _sections(sub, prefix=f"{prefix}{name}{'[]' if is_list else ''}.")
+            out += _sections(sub, prefix=f"{prefix}{name}{item}.")
     return out
 
 
-def _submodel(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """(the section model a field holds, whether it is a list of them), or (None, False) for a plain value."""
+def _submodel(annotation: Any) -> tuple[type[BaseModel] | None, str]:
+    """(the section model a field holds, how one of them is named under the field: "" for the field itself, "[]"
+    for an item of a list, ".<name>" for a value of a mapping), or (None, "") for a plain value."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, False
+        return annotation, ""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is list and args:
         sub, _ = _submodel(args[0])
-        return sub, sub is not None
+        return sub, "[]" if sub is not None else ""
+    if origin is dict and len(args) == 2:
+        sub, _ = _submodel(args[1])
+        return sub, ".<name>" if sub is not None else ""
     if origin in (typing.Union, types.UnionType):
         for arg in args:
-            sub, is_list = _submodel(arg)
+            sub, item = _submodel(arg)
             if sub is not None:
-                return sub, is_list
-    return None, False
+                return sub, item
+    return None, ""
 
 
 def _section(path: str, model: type[BaseModel]) -> str:
     title = f"`{path.rstrip('.')}`" if path else "Top level"
-    intro = (model.__doc__ or "").strip()
+    intro = inspect.cleandoc(model.__doc__ or "")
     if intro.startswith(("Usage docs", "!!!")) or model.__doc__ == BaseModel.__doc__:
         intro = ""  # pydantic's own docstring, inherited by a model without one
     lines = [f"## {title}", ""] + ([intro, ""] if intro else [])
     lines += ["| field | type | default | description |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
-        sub, _ = _submodel(field.annotation)
+        sub, item = _submodel(field.annotation)
         description = _cell(field.description or "")
         if sub is not None:
-            description += f" See `{path}{name}` below." if description else f"See `{path}{name}` below."
+            description += f" See `{path}{name}{item}` below." if description else f"See `{path}{name}{item}` below."
         lines.append(f"| `{path}{name}` | {_type_name(field.annotation)}{_bounds(field)} | {_default(field)} | "
                      f"{description} |")
     return "\n".join(lines) + "\n"

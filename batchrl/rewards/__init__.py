@@ -16,13 +16,12 @@ arguments; each must be a named parameter of the function and must not reuse a r
 
 from __future__ import annotations
 
-import functools
-import importlib
 import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from batchrl.references import import_reference
 from batchrl.rewards.basic import exact_match, format_hash, format_think
 from batchrl.rewards.boxed import format_boxed, math_boxed
 from batchrl.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
@@ -74,7 +73,7 @@ def resolve_reward(name_or_ref: str) -> RewardFn:
             "For your own function write 'package.module:function' (importable from the job's Python path), "
             "e.g. 'my_rewards.math:boxed_answer'."
         )
-    reward_fn = _import_reference(name_or_ref)
+    reward_fn = import_reference(name_or_ref, what="reward reference")
     _check_reward_signature(reward_fn, name_or_ref=name_or_ref)
     return reward_fn
 
@@ -118,23 +117,6 @@ def check_reward_params(reward_fn: RewardFn, params: Mapping[str, Any], *, name:
                      and p.default is inspect.Parameter.empty and p.name not in params and p.name not in ROW_FIELDS)
     if missing:
         raise ValueError(f"reward {name!r} needs params {missing}; set them in the term's `params:`")
-
-
-def _import_reference(reference: str) -> Any:
-    """The object at ``"package.module:attribute[.attribute]"``; ValueError naming the reference otherwise."""
-    module_name, _, attribute_path = reference.partition(":")
-    if not module_name or not attribute_path:
-        raise ValueError(f"reward reference {reference!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # ImportError, or anything the module raises while importing
-        raise ValueError(f"cannot import module {module_name!r} of reward reference {reference!r}: {error}") from error
-    try:
-        return functools.reduce(getattr, attribute_path.split("."), module)
-    except AttributeError as error:
-        raise ValueError(
-            f"reward reference {reference!r}: module {module_name!r} has no attribute {attribute_path!r}"
-        ) from error
 
 
 def _check_reward_signature(candidate: Any, *, name_or_ref: str) -> None:

@@ -12,33 +12,23 @@ It runs for ``iteration=None`` on the initial policy (before iteration 0) and fo
 that iteration i's update wrote; ``ctx.policy_in`` is the policy evaluated (see ``evaluated_iterations``).
 
 Metrics, named as verl's validation (``val-core/<data_source>/reward/<metric>``; aux ones under ``val-aux/``):
-- ``mean@1``: greedy accuracy (one greedy response per prompt, as verl's do_sample=False validation);
-- ``mean@k``: mean reward of the k sampled responses; ``std@k`` (aux): the mean per-prompt std;
-- ``pass@k``: probability that at least one of k responses passes (reward >= ``evaluate.pass_threshold``);
-  ``pass@j`` for j = 1, 2, 4, ... < k are aux;
-- ``maj@k``: reward of the majority answer of the k responses (answers extracted as the data_source's
-  reward reads them: ``#### n`` for gsm8k, the last ``\\boxed{}`` for math, else the stripped response);
-- aux: ``answered/mean@1`` and ``answered/mean@k`` (share of responses with an extractable answer),
-  ``response_length/mean@1`` and ``response_length/mean@k``, ``num_prompts``.
-
-Departures from verl: pass@k is the unbiased estimator of Chen et al. (2021) over the n = k responses,
-exact, where verl reports ``best@k/mean`` by bootstrap; maj@k is the exact vote over the k responses (no
-bootstrap) and a response without an answer abstains instead of voting for "no answer". Sampled responses
-use the same seeds for every policy evaluated (common random numbers), so a change between two evaluations
-is the policy's, not the dice's.
+mean@1 (greedy), mean@k, pass@k (reward >= ``evaluate.pass_threshold``) and maj@k, computed by
+batchrl.algorithms.evaluation, whose docstring lists them and their departures from verl. For maj@k, answers
+are extracted as the data_source's reward reads them: ``#### n`` for gsm8k, the last ``\\boxed{}`` for math,
+else the stripped response. Sampled responses use the same seeds for every policy evaluated (common random
+numbers), so a change between two evaluations is the policy's, not the dice's.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from batchrl.algorithms.evaluation import evaluation_metrics, majority_vote
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import load_schema
@@ -307,31 +297,6 @@ def evaluation_table(greedy: pa.Table | None, sampled: pa.Table | None, *, polic
     return pa.Table.from_pydict({name: out[name] for name in schema.names}, schema=schema)
 
 
-def majority_vote(answers: list[str | None], scores: list[float]) -> tuple[str | None, float | None]:
-    """The most frequent answer (ties: the one given first) and the reward of its first response.
-
-    Responses without an answer abstain; when all abstain, the answer is None and the score is that of the
-    first response (a failure, whatever the reward gave it). (None, None) for no responses.
-    """
-    if not answers:
-        return None, None
-    counts = Counter(a for a in answers if a is not None)
-    if not counts:
-        return None, float(scores[0])
-    top = max(counts.values())
-    winner = next(a for a in answers if a is not None and counts[a] == top)
-    return winner, float(scores[answers.index(winner)])
-
-
-def pass_at_k(num_samples: int, num_passed: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): P(at least one of k responses drawn from the n passes)."""
-    if not 1 <= k <= num_samples:
-        raise ValueError(f"k={k} must be between 1 and the number of samples {num_samples}")
-    if num_samples - num_passed < k:
-        return 1.0
-    return 1.0 - math.comb(num_samples - num_passed, k) / math.comb(num_samples, k)
-
-
 def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> dict[str, float]:
     """val-core / val-aux metrics of an evaluations table (all its rows)."""
     d = table.select(["data_source", "greedy_score", "greedy_answer", "greedy_length", "sample_scores",
@@ -355,46 +320,6 @@ def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> 
         pass_threshold=pass_threshold)
 
 
-def evaluation_metrics(data_source_P: np.ndarray, *, greedy_score_P: np.ndarray | None,
-                       greedy_answered_P: np.ndarray | None, greedy_length_P: np.ndarray | None,
-                       sample_scores_PK: np.ndarray | None, sample_answered_PK: np.ndarray | None,
-                       sample_lengths_PK: np.ndarray | None, majority_score_P: np.ndarray | None,
-                       pass_threshold: float) -> dict[str, float]:
-    """Per data_source: greedy mean@1 and sampled mean@k, pass@k, maj@k (core), std@k, pass@j, answered,
-    response length and num_prompts (aux). P prompts, K sampled responses each."""
-    metrics: dict[str, float] = {}
-    for source in sorted(set(data_source_P.tolist())):
-        rows = data_source_P == source
-        core, aux = f"val-core/{source}/reward", f"val-aux/{source}"
-        metrics[f"{aux}/num_prompts"] = float(rows.sum())
-        if greedy_score_P is not None:
-            metrics[f"{core}/mean@1"] = float(greedy_score_P[rows].mean())
-            metrics[f"{aux}/answered/mean@1"] = float(greedy_answered_P[rows].mean())
-            metrics[f"{aux}/response_length/mean@1"] = float(greedy_length_P[rows].mean())
-        if sample_scores_PK is None:
-            continue
-        scores_pK, k = sample_scores_PK[rows], sample_scores_PK.shape[1]
-        metrics[f"{core}/mean@{k}"] = float(scores_pK.mean())
-        metrics[f"{aux}/reward/std@{k}"] = float(scores_pK.std(axis=1).mean())
-        passed_p = (scores_pK >= pass_threshold).sum(axis=1)
-        for j in _pass_ks(k):
-            name = f"{core}/pass@{j}" if j == k else f"{aux}/reward/pass@{j}"
-            metrics[name] = float(np.mean([pass_at_k(k, int(c), j) for c in passed_p]))
-        metrics[f"{core}/maj@{k}"] = float(majority_score_P[rows].mean())
-        metrics[f"{aux}/answered/mean@{k}"] = float(sample_answered_PK[rows].mean())
-        metrics[f"{aux}/response_length/mean@{k}"] = float(sample_lengths_PK[rows].mean())
-    return metrics
-
-
-def _pass_ks(k: int) -> list[int]:
-    """1, 2, 4, ... below k, then k (verl's ladder of @n)."""
-    ks, j = [], 1
-    while j < k:
-        ks.append(j)
-        j *= 2
-    return ks + [k]
-
-
 def _counts(table: pa.Table) -> dict[str, int]:
     errors = sum(e is not None for row in table.column("score_errors").to_pylist() for e in row)
     return {"prompts": table.num_rows, "failed_samples": errors}
@@ -416,5 +341,5 @@ def compare(before: dict[str, float], after: dict[str, float]) -> list[str]:
             for name in sorted(after) if name.startswith("val-core/") and name in before]
 
 
-__all__ = ["EvaluateStage", "answer_extractor", "compare", "evaluated_iterations", "evaluation_metrics",
-           "evaluation_table", "headline", "majority_vote", "pass_at_k"]
+__all__ = ["EvaluateStage", "answer_extractor", "compare", "evaluated_iterations", "evaluation_metrics_from_table",
+           "evaluation_table", "headline"]

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from batchrl.toy import build_arith_prompts
+from batchrl_toy import build_arith_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -27,8 +27,9 @@ GREEDY = "val-core/arith/reward/mean@1"
 
 def overrides(tmp_path: Path) -> list[str]:
     toy = tmp_path / "toy"
-    return [f"run.root={tmp_path / 'runs'}", f"toy_assets.model_dir={toy / 'model'}",
-            f"toy_assets.data_dir={toy / 'prompts'}", f"toy_assets.eval_dir={toy / 'eval'}",
+    return [f"run.root={tmp_path / 'runs'}", f"setup.toy_assets.arguments.model_dir={toy / 'model'}",
+            f"setup.toy_assets.arguments.data_dir={toy / 'prompts'}",
+            f"setup.toy_assets.arguments.eval_dir={toy / 'eval'}",
             f"model.path={toy / 'model'}", f"data.train_files=[{toy / 'prompts'}]", f"evaluate.files=[{toy / 'eval'}]"]
 
 

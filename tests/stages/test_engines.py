@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import batchrl.engines as engines
 from batchrl.engines import Engine, SampleRecord, SamplingSpec, make_engine, vllm_available
 from batchrl.engines.hf_engine import HFEngine
-from batchrl.toy import build_toy_model
+from batchrl_toy import build_toy_model
 
 needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")]
 ENGINE_KINDS = ["hf", pytest.param("vllm", marks=needs_vllm)]

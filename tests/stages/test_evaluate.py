@@ -3,7 +3,6 @@ embedded Ray (HF engine) whose table and metrics agree with the reward, with the
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -21,11 +20,9 @@ from batchrl.stages.evaluate import (
     evaluated_iterations,
     evaluation_metrics_from_table,
     evaluation_table,
-    majority_vote,
-    pass_at_k,
 )
 from batchrl.storage import RunLayout, read_parquet
-from batchrl.toy import build_arith_prompts
+from batchrl_toy import build_arith_prompts
 
 
 def config(tmp_path, model_dir="m", eval_files=("e",), evaluate=None, iterations=1):
@@ -66,22 +63,6 @@ def test_metrics_of_a_hand_made_evaluation_are_exact(tmp_path):
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value), name
     assert metrics["val-aux/arith/reward/std@4"] == pytest.approx((0.5 + math.sqrt(3) / 4) / 2)
-
-
-def test_pass_at_k_equals_the_share_of_k_subsets_holding_a_pass():
-    for n, c, k in [(4, 1, 2), (5, 2, 3), (8, 3, 4), (6, 0, 3), (3, 3, 1)]:
-        outcomes = [1] * c + [0] * (n - c)
-        subsets = list(itertools.combinations(outcomes, k))
-        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
-    with pytest.raises(ValueError, match="between 1 and"):
-        pass_at_k(4, 1, 5)
-
-
-def test_majority_vote_breaks_ties_by_first_answer_and_ignores_abstentions():
-    assert majority_vote(["3", None, "5", "5", "3"], [0.0, 0.0, 1.0, 1.0, 0.0]) == ("3", 0.0)
-    assert majority_vote([None, None, "5"], [0.0, 0.0, 1.0]) == ("5", 1.0)
-    assert majority_vote([None, None], [0.2, 0.0]) == (None, 0.2)
-    assert majority_vote([], []) == (None, None)
 
 
 def test_evaluation_runs_before_training_every_nth_iteration_and_after_the_last(tmp_path):

@@ -20,7 +20,7 @@ ENGINES = ["hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipi
 @pytest.fixture(scope="module")
 def second_policy(tmp_path_factory, toy_model_dir):
     """Same architecture and tokenizer as the toy model, different weights."""
-    from batchrl.toy import build_toy_model
+    from batchrl_toy import build_toy_model
 
     path = tmp_path_factory.mktemp("policy2") / "model"
     build_toy_model(path, seed=123)

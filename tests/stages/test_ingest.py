@@ -17,7 +17,7 @@ from batchrl.pipeline.stage import StageContext
 from batchrl.rewards.gsm8k import gsm8k_strict
 from batchrl.stages.ingest import IngestStage, ground_truth_text
 from batchrl.storage import RunLayout, read_parquet
-from batchrl.toy import build_toy_tokenizer
+from batchrl_toy import build_toy_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,7 @@ def reward_model_dir(tmp_path_factory) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from batchrl.toy import build_toy_tokenizer
+    from batchrl_toy import build_toy_tokenizer
 
     path = tmp_path_factory.mktemp("reward_model")
     tokenizer = build_toy_tokenizer(path)

@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from batchrl.engines import SamplingSpec, make_engine
 from batchrl.rewards.gsm8k import extract_gsm8k_answer, gsm8k_strict
-from batchrl.toy import (
-    _arith_problems,
+from batchrl_toy import (
+    arith_problems,
     all_arith_problems,
     build_toy_model,
     ensure_toy_assets,
@@ -37,7 +37,7 @@ def greedy_answers(model_dir: str, questions: list[str]) -> list[str]:
 def test_a_short_sft_teaches_the_answer_format_on_held_out_questions(tmp_path):
     model_dir = str(tmp_path / "model")
     build_toy_model(model_dir, seed=5)
-    held_out = _arith_problems(num_prompts=12, seed=3, split="eval", max_operand=9)
+    held_out = arith_problems(num_prompts=12, seed=3, split="eval", max_operand=9)
     questions = [q for q, _ in held_out]
     before = greedy_answers(model_dir, questions)
     assert not any(extract_gsm8k_answer(text, method="strict") for text in before)
@@ -54,12 +54,12 @@ def test_a_short_sft_teaches_the_answer_format_on_held_out_questions(tmp_path):
 def test_held_out_questions_never_appear_in_training_prompts_or_sft_demonstrations(tmp_path):
     held_out = {q for q, _ in all_arith_problems(max_operand=20) if is_held_out(q)}
     assert 40 < len(held_out) < 90  # ~10% of the 672 problems
-    train = _arith_problems(num_prompts=2000, seed=1, split="train", max_operand=20)  # what sft_warm_start draws
+    train = arith_problems(num_prompts=2000, seed=1, split="train", max_operand=20)  # what sft_warm_start draws
     assert not {q for q, _ in train} & held_out
-    evaluation = _arith_problems(num_prompts=50, seed=0, split="eval", max_operand=20)
+    evaluation = arith_problems(num_prompts=50, seed=0, split="eval", max_operand=20)
     assert len({q for q, _ in evaluation}) == 50 and {q for q, _ in evaluation} <= held_out
     with pytest.raises(ValueError, match="only .* held-out problems"):
-        _arith_problems(num_prompts=len(held_out) + 1, seed=0, split="eval", max_operand=20)
+        arith_problems(num_prompts=len(held_out) + 1, seed=0, split="eval", max_operand=20)
 
 
 def test_toy_assets_with_an_eval_dir_keep_training_and_held_out_prompts_apart(tmp_path):
@@ -75,7 +75,7 @@ def test_toy_assets_with_an_eval_dir_keep_training_and_held_out_prompts_apart(tm
 
 
 def test_an_ungraded_demonstration_is_the_right_number_that_the_strict_reward_rejects():
-    from batchrl.toy import arith_demonstration
+    from batchrl_toy import arith_demonstration
 
     assert gsm8k_strict(arith_demonstration("17"), "17") == 1.0
     assert arith_demonstration("17", graded_format=False) == "#### 17."

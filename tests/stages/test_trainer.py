@@ -51,7 +51,7 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_policy(workdir) -> Path:
-    from batchrl.toy import build_toy_model
+    from batchrl_toy import build_toy_model
 
     out = workdir / "policy_in"
     build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
 def base_spec(tmp_path_factory) -> UpdateSpec:
     from transformers import AutoConfig
 
-    from batchrl.toy import build_toy_model
+    from batchrl_toy import build_toy_model
 
     workdir = tmp_path_factory.mktemp("trainer_gpu")
     build_toy_model(workdir / "policy_in", hidden_size=64, intermediate_size=128, num_attention_heads=4,

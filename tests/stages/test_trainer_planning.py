@@ -203,7 +203,7 @@ def test_prompt_packs_group_equal_prompts_within_the_token_budget_and_leave_empt
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(tmp_path, attention):
-    from batchrl.toy import build_toy_model
+    from batchrl_toy import build_toy_model
     from batchrl.trainer.data import collate, collate_packs
     from batchrl.trainer.worker import load_model, policy_logprobs
 
@@ -243,7 +243,7 @@ def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(
 
 
 def test_gradient_checkpointing_recomputes_each_decoder_layer_in_backward_and_keeps_dropout_off(tmp_path):
-    from batchrl.toy import build_toy_model
+    from batchrl_toy import build_toy_model
     from batchrl.trainer.worker import load_model, set_dropout_free_mode
 
     build_toy_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -32,7 +32,7 @@ def policies(workdir) -> tuple[Path, Path]:
     """(reference, policy): the tiny model and a perturbed copy of it."""
     from transformers import AutoModelForCausalLM
 
-    from batchrl.toy import build_toy_model
+    from batchrl_toy import build_toy_model
 
     reference, policy = workdir / "reference", workdir / "policy_in"
     build_toy_model(reference, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -25,7 +25,7 @@ OPTIONS = dict(num_processes=2, backend="gloo", lr=1e-4, micro_batch_size=2, ppo
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory) -> Path:
-    from batchrl.toy import build_toy_model
+    from batchrl_toy import build_toy_model
 
     out = tmp_path_factory.mktemp("trainer_resident") / "policy_in"
     build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)

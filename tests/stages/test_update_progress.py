@@ -18,7 +18,7 @@ from batchrl.trainer import UpdateSpec, run_update
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory) -> Path:
-    from batchrl.toy import build_toy_model
+    from batchrl_toy import build_toy_model
 
     out = tmp_path_factory.mktemp("update_progress") / "policy_in"
     build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import fsspec
@@ -12,12 +13,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchrl.toy import (
+from batchrl_toy import (
     BATCHRL_PROMPT_SCHEMA,
     VERL_PROMPT_SCHEMA,
     build_arith_prompts,
     build_toy_model,
     ensure_toy_assets,
+    setup_toy_assets,
 )
 
 QUESTION = re.compile(r"What is (\d+) ([+-]) (\d+)\? Answer with #### followed by the number\.")
@@ -131,6 +133,19 @@ def test_ensure_toy_assets_builds_once_and_leaves_no_temp_dirs(tmp_path):
     assert ds.dataset(tmp_path / "d", format="parquet").count_rows() == 8
 
 
+def test_the_setup_step_builds_what_its_arguments_name_and_keeps_a_built_model(tmp_path, toy_model_dir):
+    shutil.copytree(toy_model_dir, tmp_path / "m")  # built already: the step keeps it (and the test stays fast)
+    stamp = (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns
+    setup_toy_assets(model_dir=str(tmp_path / "m"), data_dir=str(tmp_path / "d"), eval_dir=str(tmp_path / "e"),
+                     format="verl", num_prompts=12, num_shards=3, num_eval_prompts=5, max_operand=20)
+    assert (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns == stamp
+    train = ds.dataset(tmp_path / "d", format="parquet").to_table()
+    assert train.num_rows == 12 and train.schema.equals(VERL_PROMPT_SCHEMA)
+    assert len(list((tmp_path / "d").glob("part-*.parquet"))) == 3
+    assert {row["extra_info"]["split"] for row in ds.dataset(tmp_path / "e", format="parquet").to_table().to_pylist()} \
+        == {"test"}
+
+
 def test_ensure_toy_assets_refuses_to_overwrite_an_incomplete_model_dir(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
@@ -141,7 +156,7 @@ def test_ensure_toy_assets_refuses_to_overwrite_an_incomplete_model_dir(tmp_path
 _BUILD = """
 import hashlib, sys, tempfile
 from pathlib import Path
-from batchrl.toy import ensure_toy_assets
+from batchrl_toy import ensure_toy_assets
 root = Path(tempfile.mkdtemp())
 ensure_toy_assets(root / "model", root / "prompts", num_prompts=8, num_shards=1, sft_steps=3, sft_format_share=0.4)
 print(hashlib.sha256((root / "model" / "model.safetensors").read_bytes()).hexdigest())

@@ -1,0 +1,39 @@
+"""References to user code, ``"package.module:function"``: custom rewards and pipeline setup steps.
+
+Why one resolver: both follow the same rules. Loading a pipeline checks only a reference's form
+(`is_reference`, a string test); the module is imported, running its top-level code, when the job starts and
+before any work (`import_reference`), so a typo fails at once with a message that names it, and a pipeline
+can be validated, planned or inspected without importing anything it names.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from typing import Any
+
+_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def is_reference(text: str) -> bool:
+    """Whether ``text`` has the form ``package.module:attribute[.attribute]`` (nothing is imported)."""
+    return bool(_REFERENCE.match(text))
+
+
+def import_reference(reference: str, *, what: str) -> Any:
+    """The object at ``"package.module:attribute[.attribute]"``; ValueError naming ``what`` (e.g. "reward
+    reference") and the reference otherwise. Imports the module: call it when the job starts, never while a
+    pipeline is loaded."""
+    module_name, _, attribute_path = reference.partition(":")
+    if not module_name or not attribute_path:
+        raise ValueError(f"{what} {reference!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or anything the module raises while importing
+        raise ValueError(f"cannot import module {module_name!r} of {what} {reference!r}: {error}") from error
+    try:
+        return functools.reduce(getattr, attribute_path.split("."), module)
+    except AttributeError as error:
+        raise ValueError(f"{what} {reference!r}: module {module_name!r} has no attribute {attribute_path!r}") \
+            from error
