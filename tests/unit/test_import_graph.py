@@ -12,13 +12,13 @@ import batchrl
 PACKAGE = Path(batchrl.__file__).resolve().parent
 
 LAYERS = [
-    ["batchrl", "batchrl.errors"],  # the version and the user errors
+    ["batchrl", "batchrl.errors", "batchrl.references"],  # the version, the user errors, 'module:function' lookup
     ["batchrl.algorithms", "batchrl.config"],  # pure functions of arrays; the validated config
     ["batchrl.storage"],  # URIs, Parquet, manifests and schemas: the storage formats
     ["batchrl.engines", "batchrl.rewards", "batchrl.tracking", "batchrl.trainer"],  # components
     ["batchrl.pipeline"],  # the stage contract, shards, the runner: knows no stage
     ["batchrl.stages"],  # the stages, registered in run order
-    ["batchrl.api"],  # plan and run with the built-in stages
+    ["batchrl.api", "batchrl.setup_steps"],  # plan and run with the built-in stages; the pipeline's setup: steps
     ["batchrl.cli"],
 ]
 
@@ -107,6 +107,14 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     assert cycle_in({"a": {"b"}, "b": {"c"}}) is None
     assert layer_of("batchrl.pipeline.runner") > layer_of("batchrl.storage.manifest")
     assert "batchrl.pipeline.stage" in graph()["batchrl.stages.score"]  # `from x import y` is seen
+
+
+def test_the_product_never_imports_the_quickstart_toy():
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(name.split(".")[0] == "batchrl_toy" for name in names), path
 
 
 def test_the_runner_and_the_contract_import_no_stage():
