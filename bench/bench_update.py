@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from batchrl.config.models import UpdateConfig
 from batchrl_toy import build_toy_model
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.batching import padding_ratio, plan_micro_batches
@@ -73,11 +74,12 @@ def shared_prompt_speedup(spec: UpdateSpec, tmp: Path, *, vocab_size: int, name:
     advantages = tmp / f"groups-{name}.parquet"
     write_groups(advantages, vocab_size=vocab_size, num_prompts=32, samples_per_prompt=8, prompt_mean=prompt_mean,
                  response_median=response_median)
-    spec = dataclasses.replace(spec, advantages_files=[str(advantages)], ppo_epochs=1, ppo_mini_batch_size=8)
+    spec = dataclasses.replace(spec.with_update(ppo_epochs=1, ppo_mini_batch_size=8),
+                               advantages_files=[str(advantages)])
     best = {False: [], True: []}
     for _ in range(repeats):  # interleaved
         for share in (False, True):
-            metrics = run_update(dataclasses.replace(spec, share_prompt=share), timeout_s=1800)
+            metrics = run_update(spec.with_update(share_prompt=share), timeout_s=1800)
             best[share].append((metrics["perf/step_time_min_s"], metrics["perf/real_tokens"]))
     (plain_s, plain_tokens), (shared_s, shared_tokens) = min(best[False]), min(best[True])
     print(f"shared prompts, {name}: step {plain_s:.3f} s -> {shared_s:.3f} s, tokens computed per update "
@@ -146,8 +148,10 @@ def main() -> None:
         write_batch(advantages, vocab_size=vocab_size, num_prompts=args.prompts,
                     samples_per_prompt=args.samples_per_prompt, scale=args.length_scale)
         spec = UpdateSpec(policy_in=str(policy), policy_out=str(Path(tmp) / "out"), advantages_files=[str(advantages)],
-                          metrics_path=str(Path(tmp) / "metrics.json"), backend="gloo", lr=1e-5,
-                          ppo_epochs=args.steps, max_tokens_per_micro_batch=args.max_tokens)
+                          metrics_path=str(Path(tmp) / "metrics.json"),
+                          update=UpdateConfig(backend="gloo", lr=1e-5, ppo_epochs=args.steps,
+                                              max_tokens_per_micro_batch=args.max_tokens,
+                                              dual_clip_ratio=None))  # the bare loop's plain PPO loss
         trainer_runs, bare_runs = [], []
         for _ in range(args.repeats):  # interleaved, so a busy spell on a shared machine hits both
             trainer_runs.append(run_update(spec, timeout_s=1800))
@@ -177,8 +181,9 @@ def main() -> None:
 
         vocab_size = AutoConfig.from_pretrained(str(policy)).vocab_size
         spec = UpdateSpec(policy_in=str(policy), policy_out=str(Path(tmp) / "out"), advantages_files=["unused"],
-                          metrics_path=str(Path(tmp) / "metrics.json"), backend="gloo", lr=1e-5,
-                          max_tokens_per_micro_batch=args.max_tokens, old_logprobs="rollout")
+                          metrics_path=str(Path(tmp) / "metrics.json"),
+                          update=UpdateConfig(backend="gloo", lr=1e-5, max_tokens_per_micro_batch=args.max_tokens,
+                                              old_logprobs="rollout"))
         for name, prompt_mean, response_median in (("short_responses", 25, 5), ("gsm8k_like", 45, 75)):
             speedup = shared_prompt_speedup(spec, Path(tmp), vocab_size=vocab_size, name=name, prompt_mean=prompt_mean,
                                             response_median=response_median, repeats=args.repeats)

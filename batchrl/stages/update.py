@@ -248,26 +248,17 @@ def _spec(ctx: StageContext, *, policy_in: str, reference_policy: str | None, ad
           trainer_state_in: str | None, trainer_state_sha256: dict[str, str] | None, policy_out: str, out_dir: str,
           metrics_path: str):
     """The UpdateSpec for this iteration with the caller's paths; the trainer state and the log-probs table go
-    under `out_dir` (at the names the run directory uses)."""
+    under `out_dir` (at the names the run directory uses). The update options travel as the validated config, with
+    the norm length resolved here: its default is a field of another section (generate.max_new_tokens)."""
     from batchrl.trainer import UpdateSpec
 
     u, cfg = ctx.cfg.update, ctx.cfg
     keeps_state = u.keep_last_k_optimizer_states != 0
     return UpdateSpec(
-        policy_in=policy_in, policy_out=policy_out, advantages_files=advantages_files,
-        metrics_path=metrics_path, num_processes=u.num_processes, backend=u.backend,
-        lr=u.lr, weight_decay=u.weight_decay, max_grad_norm=u.max_grad_norm, clip_ratio_low=u.clip_ratio_low,
-        clip_ratio_high=u.clip_ratio_high, policy_loss=u.policy_loss,
-        dual_clip_ratio=u.dual_clip_ratio if u.policy_loss == "ppo_clip" else None,  # gspo: no dual clip, as verl
-        loss_agg_mode=u.loss_agg_mode, loss_agg_norm_length=_norm_length(cfg), micro_batch_size=u.micro_batch_size,
-        max_tokens_per_micro_batch=u.max_tokens_per_micro_batch, ppo_mini_batch_size=u.ppo_mini_batch_size,
-        ppo_epochs=u.ppo_epochs, seed=cfg.run.seed + (ctx.iteration or 0),
-        dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32", old_logprobs=u.old_logprobs,
-        entropy_coeff=u.entropy_coeff, kl_loss_coef=u.kl_loss_coef, kl_estimator=u.kl_estimator,
-        reference_policy=reference_policy, rollout_is_cap=u.rollout_is_cap,
-        lr_schedule=u.lr_schedule, lr_warmup_steps=u.lr_warmup_steps, lr_warmup_ratio=u.lr_warmup_ratio,
-        min_lr_ratio=u.min_lr_ratio, lr_total_steps=u.lr_total_steps, num_iterations=_schedule_iterations(cfg) or 1,
-        cpu_offload=u.cpu_offload, gradient_checkpointing=u.gradient_checkpointing, share_prompt=u.share_prompt,
+        update=u.model_copy(update={"loss_agg_norm_length": _norm_length(cfg)}),
+        policy_in=policy_in, policy_out=policy_out, advantages_files=advantages_files, metrics_path=metrics_path,
+        seed=cfg.run.seed + (ctx.iteration or 0), dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32",
+        num_iterations=_schedule_iterations(cfg) or 1, reference_policy=reference_policy,
         trainer_state_in=trainer_state_in, trainer_state_sha256=trainer_state_sha256,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_out=join(out_dir, LOGPROBS_PART))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from batchrl.trainer import integrity
+from batchrl.trainer.integrity import error_path, read_error
 from batchrl.trainer.progress_file import ProgressReader
 from batchrl.trainer.spec import UpdateSpec, resolve_backend
 
@@ -53,7 +53,7 @@ def run_update(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     resident: bool = False,
 ) -> dict[str, float]:
-    """Run one policy update in `spec.num_processes` local processes; return the metrics rank 0 wrote.
+    """Run one policy update in `spec.update.num_processes` local processes; return the metrics rank 0 wrote.
 
     Raises RuntimeError (with the failing rank's stderr tail) if any rank exits non-zero or the update
     outlives `timeout_s`, or TrainerStateError when the ranks refused to load a trainer state that does not
@@ -69,12 +69,12 @@ def run_update(
         raise ValueError(f"timeout_s={timeout_s} must be > 0 (or None for no limit)")
     _check_gpu_only_options(spec)
     Path(spec.metrics_path).unlink(missing_ok=True)  # never return a previous run's metrics
-    integrity.error_path(spec.metrics_path).unlink(missing_ok=True)  # nor its errors
-    if resident and resolve_backend(spec.backend) == "gloo":
+    error_path(spec.metrics_path).unlink(missing_ok=True)  # nor its errors
+    if resident and resolve_backend(spec.update.backend) == "gloo":
         with _POOL_LOCK:
             return _run_on_pool(spec, timeout_s=timeout_s, on_progress=on_progress)
     if resident:
-        logger.info("update: resident trainer ranks are CPU-only (gloo); starting fresh %s ranks", spec.backend)
+        logger.info("update: resident trainer ranks are CPU-only (gloo); starting fresh %s ranks", spec.update.backend)
     with tempfile.TemporaryDirectory(prefix="batchrl-update-") as tmp:
         spec, poll_progress = _with_progress(spec, on_progress, tmp)
         spec_path = Path(tmp) / "spec.json"
@@ -82,8 +82,8 @@ def run_update(
         port = _free_port()
         started = time.perf_counter()
         workers = [
-            _start_worker(spec_path, rank=rank, world_size=spec.num_processes, port=port, log_dir=Path(tmp))
-            for rank in range(spec.num_processes)
+            _start_worker(spec_path, rank=rank, world_size=spec.update.num_processes, port=port, log_dir=Path(tmp))
+            for rank in range(spec.update.num_processes)
         ]
         try:
             failure = _wait_for_workers(workers, timeout_s=timeout_s, on_poll=poll_progress)
@@ -153,7 +153,7 @@ atexit.register(shutdown_trainers)
 def _pool_key(spec: UpdateSpec) -> tuple:
     """What the rank processes are fixed to at start: the process group and the environment they inherit."""
     env = tuple(os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH"))
-    return (spec.num_processes, spec.backend, sys.executable, env)
+    return (spec.update.num_processes, spec.update.backend, sys.executable, env)
 
 
 def _get_pool(spec: UpdateSpec) -> _Pool:
@@ -170,10 +170,10 @@ def _get_pool(spec: UpdateSpec) -> _Pool:
     if _POOL is None:
         log_dir = Path(tempfile.mkdtemp(prefix="batchrl-trainers-"))
         port = _free_port()
-        workers = [_start_worker(None, rank=rank, world_size=spec.num_processes, port=port, log_dir=log_dir)
-                   for rank in range(spec.num_processes)]
+        workers = [_start_worker(None, rank=rank, world_size=spec.update.num_processes, port=port, log_dir=log_dir)
+                   for rank in range(spec.update.num_processes)]
         _POOL = _Pool(key=key, workers=workers, log_dir=log_dir)
-        logger.info("started %d resident update rank(s)", spec.num_processes)
+        logger.info("started %d resident update rank(s)", spec.update.num_processes)
     return _POOL
 
 
@@ -227,7 +227,7 @@ def _with_progress(
 
 def _failure(spec: UpdateSpec, failure: str) -> Exception:
     """The error to raise for failed ranks: the trainer-state mismatch rank 0 reported, else the ranks' story."""
-    mismatch = integrity.read_error(spec.metrics_path)
+    mismatch = read_error(spec.metrics_path)
     if mismatch is not None:
         logger.debug("update ranks refused the trainer state:\n%s", failure)
         return mismatch
@@ -240,16 +240,17 @@ def _read_metrics(spec: UpdateSpec) -> dict[str, float]:
 
 
 def _check_gpu_only_options(spec: UpdateSpec) -> None:
-    """CPU offload moves GPU-resident shards to host memory: meaningless (and unsupported) without CUDA."""
-    if not spec.cpu_offload:
+    """CPU offload moves GPU-resident shards to host memory: meaningless (and unsupported) without CUDA.
+    UpdateConfig already rejects it with backend gloo; this catches backend auto on a host without CUDA before
+    any rank starts."""
+    if not spec.update.cpu_offload:
         return
     import torch
 
-    if spec.backend == "gloo" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ValueError(
-            "update.cpu_offload=true needs CUDA GPUs and the nccl backend (this machine has "
-            f"{'no CUDA' if not torch.cuda.is_available() else 'backend=gloo'}); on CPU the parameters already "
-            "live in host memory. Set update.cpu_offload=false"
+            "update.cpu_offload=true needs CUDA GPUs and the nccl backend (this machine has no CUDA); on CPU the "
+            "parameters already live in host memory. Set update.cpu_offload=false"
         )
 
 

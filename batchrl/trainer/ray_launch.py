@@ -75,7 +75,7 @@ def run_update_on_ray(
     cpus_per_rank: float = 1.0,
     placement_strategy: str = "PACK",
 ) -> RayUpdateResult:
-    """Run one update as `spec.num_processes` Ray actors; return rank 0's metrics and the files uploaded.
+    """Run one update as `spec.update.num_processes` Ray actors; return rank 0's metrics and the files uploaded.
 
     The spec's paths are URIs that every rank can reach (see the module docstring). Raises RuntimeError naming the
     failing rank and its error if any rank fails, or if the update outlives `timeout_s` (placement included); the
@@ -91,12 +91,14 @@ def run_update_on_ray(
         raise RuntimeError("run_update_on_ray needs a connected Ray: call ray.init() first (the runner does)")
     if on_progress is not None:
         logger.debug("update on Ray: no progress records (rank 0's progress file would be on its own node)")
-    spec = dataclasses.replace(spec, backend=_cluster_backend(spec.backend), progress_path=None)
+    # Re-validated with the backend the cluster resolves "auto" to (update.cpu_offload needs nccl).
+    spec = dataclasses.replace(spec.with_update(backend=_cluster_backend(spec.update.backend)), progress_path=None)
     check_reachable_from_all_nodes(spec, num_nodes=len(alive_nodes()))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    bundle = {"CPU": float(cpus_per_rank)} | ({"GPU": 1.0} if spec.backend == "nccl" else {})
+    bundle = {"CPU": float(cpus_per_rank)} | ({"GPU": 1.0} if spec.update.backend == "nccl" else {})
     started = time.perf_counter()
-    group = ray.util.placement_group([dict(bundle) for _ in range(spec.num_processes)], strategy=placement_strategy)
+    group = ray.util.placement_group([dict(bundle) for _ in range(spec.update.num_processes)],
+                                     strategy=placement_strategy)
     try:
         _wait_for_placement(group, bundle=bundle, spec=spec, deadline=deadline, timeout_s=timeout_s)
         results = _run_ranks(group, spec, bundle=bundle, deadline=deadline, timeout_s=timeout_s)
@@ -154,16 +156,16 @@ class RankActor:
         import torch.distributed as dist
         from transformers.utils import logging as hf_logging
 
-        from batchrl.trainer import worker
+        from batchrl.trainer.worker import run
 
         hf_logging.disable_progress_bar()  # as the worker's main does: bars in a Ray actor's log are noise
 
         # One process per bundle; with nccl, Ray makes the bundle's one GPU the only visible device: local rank 0.
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(spec.num_processes), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(spec.update.num_processes), LOCAL_RANK="0",
+                          LOCAL_WORLD_SIZE="1", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{rank}-") as scratch:
             local_spec = stage_inputs(spec, Path(scratch))
-            metrics = worker.run(local_spec)
+            metrics = run(local_spec)
             dist.destroy_process_group()
             uploaded = upload_outputs(local_spec, spec, rank=rank)
         return {"metrics": metrics, "uploaded": uploaded, "node_ip": ray.util.get_node_ip_address()}
@@ -217,7 +219,7 @@ def _run_ranks(group, spec: UpdateSpec, *, bundle: dict, deadline: float | None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
                                                                  placement_group_bundle_index=rank),
         ).remote()
-        for rank in range(spec.num_processes)
+        for rank in range(spec.update.num_processes)
     ]
     try:
         pending = [actors[0].rendezvous.remote()]
@@ -230,7 +232,7 @@ def _run_ranks(group, spec: UpdateSpec, *, bundle: dict, deadline: float | None,
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
-    return [results[rank] for rank in range(spec.num_processes)]
+    return [results[rank] for rank in range(spec.update.num_processes)]
 
 
 def _wait_for_ranks(refs: list, *, ranks: dict, deadline: float | None, timeout_s: float | None) -> dict[int, Any]:
@@ -266,10 +268,10 @@ def _wait_for_placement(group, *, bundle: dict, spec: UpdateSpec, deadline: floa
     if not ready and left is not None and left < PLACEMENT_TIMEOUT_S:
         # The update's own deadline ran out first: a timeout, whatever the cluster could have placed later.
         raise RuntimeError(f"update timed out after {timeout_s} s on Ray (update.timeout_s) while Ray was placing "
-                           f"{spec.num_processes} rank(s) of {bundle}")
+                           f"{spec.update.num_processes} rank(s) of {bundle}")
     if not ready:
         raise RuntimeError(
-            f"update: Ray could not place {spec.num_processes} rank(s) of {bundle} (update.num_processes x "
+            f"update: Ray could not place {spec.update.num_processes} rank(s) of {bundle} (update.num_processes x "
             f"update.cpus_per_rank, a GPU each with nccl) within {wait_s:.0f} s; the cluster has "
             f"{ray.cluster_resources()} in all, {ray.available_resources()} free. Lower update.num_processes or "
             "update.cpus_per_rank, or free resources (generate.engine_lifetime: stage releases the engines)"

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from batchrl.trainer.data import Samples, collate_packs, scatter_response_values
+from batchrl.trainer.forward import pack_plan, policy_logprobs
 
 
 def load_frozen_model(path: str) -> torch.nn.Module:
@@ -29,8 +30,6 @@ def response_logprobs(model: torch.nn.Module, samples: Samples, *, pad_token_id:
     """Flat float32 array (samples.response_offsets_N1 layout): log p(token) of every response token.
 
     `share_prompt`: a row holds a prompt once, then several of its samples' responses (up to `max_tokens`)."""
-    from batchrl.trainer.worker import pack_plan, policy_logprobs
-
     out_flat = torch.zeros(int(samples.response_offsets_N1[-1]), dtype=torch.float32)
     if samples.num_samples == 0:
         return out_flat.numpy()

@@ -20,23 +20,19 @@ import math
 
 logger = logging.getLogger(__name__)
 
-LR_SCHEDULES = ("constant", "cosine")
-
 
 def lr_at_step(
     step: int, *, lr: float, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
 ) -> float:
-    """The learning rate of optimizer step `step` (0-based)."""
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"lr schedule {schedule!r} must be one of {list(LR_SCHEDULES)}")
+    """The learning rate of optimizer step `step` (0-based). `schedule` and `min_lr_ratio` are update.lr_schedule
+    and update.min_lr_ratio, which UpdateConfig validates."""
     if step < 0 or warmup_steps < 0 or total_steps < 1:
         raise ValueError(f"step={step}, warmup_steps={warmup_steps} must be >= 0 and total_steps={total_steps} >= 1")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
     if step < warmup_steps:
         return lr * (step + 1) / (warmup_steps + 1)
     if schedule == "constant":
         return lr
+    assert schedule == "cosine", schedule
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from trainer_helpers import make_spec, respec
 
-from batchrl.trainer import UpdateSpec, run_update
+from batchrl.trainer import run_update
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")]
@@ -33,9 +32,9 @@ def test_nccl_update_on_gpu_matches_the_gloo_update_on_cpu(tmp_path, toy_model_d
     with open(f"{toy_model_dir}/config.json") as f:
         vocab_size = json.load(f)["vocab_size"]
     write_advantages(tmp_path / "adv.parquet", vocab_size=vocab_size)
-    base = UpdateSpec(policy_in=toy_model_dir, policy_out=str(tmp_path / "gpu"), metrics_path=str(tmp_path / "g.json"),
-                      advantages_files=[str(tmp_path / "adv.parquet")], backend="nccl", lr=1e-4, micro_batch_size=4)
-    cpu = dataclasses.replace(base, backend="gloo", policy_out=str(tmp_path / "cpu"), metrics_path=str(tmp_path / "c.json"))
+    base = make_spec(policy_in=toy_model_dir, policy_out=str(tmp_path / "gpu"), metrics_path=str(tmp_path / "g.json"),
+                     advantages_files=[str(tmp_path / "adv.parquet")], backend="nccl", lr=1e-4, micro_batch_size=4)
+    cpu = respec(base, backend="gloo", policy_out=str(tmp_path / "cpu"), metrics_path=str(tmp_path / "c.json"))
     run_update(base, timeout_s=300)
     run_update(cpu, timeout_s=300)
     gpu_weights, cpu_weights = load_file(f"{base.policy_out}/model.safetensors"), load_file(f"{cpu.policy_out}/model.safetensors")

@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from trainer_helpers import make_spec
 
 from batchrl.storage.cluster import MARKER_PREFIX, unshared_paths
-from batchrl.trainer import UpdateSpec
 from batchrl.trainer.ray_launch import check_reachable_from_all_nodes
 
 
@@ -65,15 +65,15 @@ def test_an_update_on_several_nodes_accepts_a_shared_local_run_directory(two_nod
     advantages = tmp_path / "advantages" / "part-00000.parquet"
     advantages.parent.mkdir()
     advantages.write_bytes(b"PAR1")
-    spec = UpdateSpec(policy_in=str(policy), policy_out=str(tmp_path / "iter_0000" / "policy"),
-                      advantages_files=[str(advantages)], metrics_path=str(tmp_path / "m.json"),
-                      trainer_state_out=str(tmp_path / "iter_0000" / "trainer_state"))
+    spec = make_spec(policy_in=str(policy), policy_out=str(tmp_path / "iter_0000" / "policy"),
+                     advantages_files=[str(advantages)], metrics_path=str(tmp_path / "m.json"),
+                     trainer_state_out=str(tmp_path / "iter_0000" / "trainer_state"))
     check_reachable_from_all_nodes(spec, num_nodes=2)  # the real probe: both nodes are this machine
 
 
 def test_an_update_on_several_nodes_refuses_the_paths_a_node_does_not_see():
-    spec = UpdateSpec(policy_in="Qwen/Qwen2.5-0.5B", policy_out="/runs/r/iter_0000/policy",
-                      advantages_files=["s3://b/r/iter_0000/advantages/part-00000.parquet"], metrics_path="m.json")
+    spec = make_spec(policy_in="Qwen/Qwen2.5-0.5B", policy_out="/runs/r/iter_0000/policy",
+                     advantages_files=["s3://b/r/iter_0000/advantages/part-00000.parquet"], metrics_path="m.json")
     asked = []
 
     def probe(writes, reads):

@@ -8,28 +8,17 @@ Each update starts 1-2 fresh Python processes (~3-5 s each), so runs are shared 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from trainer_helpers import load_weights, make_spec, respec, synthetic_rows, write_advantages
 
 from batchrl.trainer import UpdateSpec, run_update
 
-ADVANTAGES_SCHEMA = pa.schema(
-    [
-        ("prompt_id", pa.string()),
-        ("sample_idx", pa.int32()),
-        ("prompt_token_ids", pa.list_(pa.int32())),
-        ("response_token_ids", pa.list_(pa.int32())),
-        ("response_logprobs", pa.list_(pa.float32())),
-        ("advantage", pa.float32()),
-    ]
-)
 EXPECTED_METRICS = (
     "actor/pg_loss",
     "actor/pg_clipfrac",
@@ -56,40 +45,6 @@ def tiny_policy(workdir) -> Path:
     out = workdir / "policy_in"
     build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)
     return out
-
-
-def synthetic_rows(*, vocab_size: int, num_prompts: int = 4, samples_per_prompt: int = 4, seed: int = 0):
-    """Random prompts/responses with one empty response, in shuffled order (the trainer sorts)."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for p in range(num_prompts):
-        prompt = rng.integers(3, vocab_size, int(rng.integers(2, 9))).tolist()
-        for s in range(samples_per_prompt):
-            length = 0 if (p, s) == (1, 2) else int(rng.integers(1, 12))
-            rows.append(
-                {
-                    "prompt_id": f"prompt-{p}",
-                    "sample_idx": s,
-                    "prompt_token_ids": prompt,
-                    "response_token_ids": rng.integers(3, vocab_size, length).tolist(),
-                    "response_logprobs": (-5 * rng.random(length)).tolist(),
-                    "advantage": float(rng.normal()),
-                }
-            )
-    rng.shuffle(rows)
-    return rows
-
-
-def write_advantages(rows: list[dict], out_dir: Path) -> list[str]:
-    """Two Parquet parts, like a sharded advantage stage."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    half = len(rows) // 2
-    paths = []
-    for index, part in enumerate((rows[:half], rows[half:])):
-        path = out_dir / f"part-{index:05d}.parquet"
-        pq.write_table(pa.Table.from_pylist(part, schema=ADVANTAGES_SCHEMA), path)
-        paths.append(str(path))
-    return paths
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +109,7 @@ def update(workdir, tiny_policy, perturbed_policy, advantages_files):
             options = dict(CONFIGS[config])
             if options.get("kl_loss_coef"):
                 options["reference_policy"] = str(tiny_policy)
-            spec = UpdateSpec(
+            spec = make_spec(
                 policy_in=str(perturbed_policy if config.startswith("full") else tiny_policy),
                 policy_out=str(workdir / name / "policy"),
                 advantages_files=advantages_files,
@@ -170,21 +125,14 @@ def update(workdir, tiny_policy, perturbed_policy, advantages_files):
     return _update
 
 
-def load_weights(policy_dir: Path) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-
 def test_update_spec_round_trips_through_json_and_rejects_unknown_choices(tmp_path):
-    spec = UpdateSpec(policy_in="in", policy_out="out", advantages_files=["a.parquet"], metrics_path="m.json", lr=3e-6)
+    spec = make_spec(policy_in="in", policy_out="out", advantages_files=["a.parquet"], metrics_path="m.json", lr=3e-6)
     spec.to_json(tmp_path / "spec.json")
     assert UpdateSpec.from_json(tmp_path / "spec.json") == spec
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        dataclasses.replace(spec, loss_agg_mode="token-sum")
+        respec(spec, loss_agg_mode="token-sum")
     with pytest.raises(ValueError, match="advantages_files"):
-        dataclasses.replace(spec, advantages_files=[])
+        respec(spec, advantages_files=[])
 
 
 def test_one_update_changes_every_weight_and_saves_a_checkpoint_that_reloads(update, tiny_policy, advantages_files):
@@ -252,7 +200,7 @@ def test_each_epoch_takes_one_optimizer_step_per_mini_batch_of_prompts(update):
 def test_a_nan_advantage_aborts_every_rank_and_writes_no_policy(tmp_path, tiny_policy, vocab_size):
     rows = synthetic_rows(vocab_size=vocab_size, seed=1)
     rows[3]["advantage"] = float("nan")
-    spec = UpdateSpec(
+    spec = make_spec(
         policy_in=str(tiny_policy),
         policy_out=str(tmp_path / "policy"),
         advantages_files=write_advantages(rows, tmp_path / "advantages"),
@@ -271,7 +219,7 @@ def test_a_nan_rollout_logprob_stops_the_update_at_the_loss_before_the_optimizer
 ):
     rows = synthetic_rows(vocab_size=vocab_size, seed=2)
     next(r for r in rows if r["response_token_ids"])["response_logprobs"][0] = float("nan")
-    spec = UpdateSpec(
+    spec = make_spec(
         policy_in=str(tiny_policy),
         policy_out=str(tmp_path / "policy"),
         advantages_files=write_advantages(rows, tmp_path / "advantages"),

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from trainer_helpers import make_spec
 
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.batching import mini_batches, padded_tokens, padding_ratio, plan_micro_batches
@@ -205,7 +206,8 @@ def test_prompt_packs_group_equal_prompts_within_the_token_budget_and_leave_empt
 def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(tmp_path, attention):
     from batchrl_toy import build_toy_model
     from batchrl.trainer.data import collate, collate_packs
-    from batchrl.trainer.worker import load_model, policy_logprobs
+    from batchrl.trainer.forward import policy_logprobs
+    from batchrl.trainer.fsdp import load_model
 
     build_toy_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, num_layers=2)
@@ -244,7 +246,7 @@ def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(
 
 def test_gradient_checkpointing_recomputes_each_decoder_layer_in_backward_and_keeps_dropout_off(tmp_path):
     from batchrl_toy import build_toy_model
-    from batchrl.trainer.worker import load_model, set_dropout_free_mode
+    from batchrl.trainer.fsdp import load_model, set_dropout_free_mode
 
     build_toy_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, seed=0)
@@ -268,7 +270,7 @@ def test_gradient_checkpointing_recomputes_each_decoder_layer_in_backward_and_ke
 
 def _spec(**options) -> UpdateSpec:
     options = {"metrics_path": "m.json", **options}
-    return UpdateSpec(policy_in="in", policy_out="out", advantages_files=["a.parquet"], **options)
+    return make_spec(policy_in="in", policy_out="out", advantages_files=["a.parquet"], **options)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on machines without CUDA")
@@ -309,16 +311,41 @@ def test_kl_loss_needs_a_reference_and_sum_norm_needs_a_length():
         _spec(loss_agg_mode="seq-mean-token-sum-norm")
 
 
-def test_the_spec_and_config_offer_exactly_the_algorithms_kl_estimators_and_aggregation_modes():
+def test_the_spec_checks_its_own_fields():
+    with pytest.raises(ValueError, match="dtype"):
+        _spec(dtype="float16")
+    with pytest.raises(ValueError, match="num_iterations"):
+        _spec(num_iterations=0)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("num_processes", 0), ("micro_batch_size", 0), ("ppo_epochs", 0), ("max_tokens_per_micro_batch", 0),
+    ("ppo_mini_batch_size", 0), ("lr_total_steps", 0), ("loss_agg_norm_length", 0), ("lr", -1e-6),
+    ("weight_decay", -0.1), ("clip_ratio_low", -0.1), ("clip_ratio_high", -0.1), ("entropy_coeff", -0.1),
+    ("kl_loss_coef", -0.1), ("lr_warmup_steps", -1), ("lr_warmup_ratio", -0.1), ("lr_warmup_ratio", 1.5),
+    ("min_lr_ratio", -0.1), ("min_lr_ratio", 1.5), ("rollout_is_cap", 0.5), ("dual_clip_ratio", 1.0),
+    ("lr_schedule", "linear"), ("kl_estimator", "k4"), ("policy_loss", "grpo"), ("old_logprobs", "engine"),
+    ("backend", "mpi"),
+])
+def test_the_bounds_an_update_spec_once_checked_itself_are_the_configs(option, value):
+    """UpdateSpec re-checked these until it carried the config (issue 12); each is now UpdateConfig's alone."""
+    from pydantic import ValidationError
+
+    from batchrl.config.models import UpdateConfig
+
+    with pytest.raises(ValidationError, match=option):
+        UpdateConfig(**{option: value})
+    with pytest.raises(ValueError, match=option):
+        _spec(**{option: value})
+
+
+def test_the_config_offers_exactly_the_algorithms_kl_estimators_and_aggregation_modes():
     from typing import get_args
 
     from batchrl.algorithms.kl import KL_ESTIMATORS
     from batchrl.algorithms.losses import AGGREGATION_MODES
     from batchrl.config.models import UpdateConfig
-    from batchrl.trainer import spec
 
-    assert spec.KL_ESTIMATORS == KL_ESTIMATORS
-    assert spec.LOSS_AGG_MODES == AGGREGATION_MODES
     assert get_args(UpdateConfig.model_fields["kl_estimator"].annotation) == KL_ESTIMATORS
     assert get_args(UpdateConfig.model_fields["loss_agg_mode"].annotation) == AGGREGATION_MODES
 

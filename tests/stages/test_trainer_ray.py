@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_trainer import load_weights, synthetic_rows, write_advantages
+from trainer_helpers import load_weights, make_spec, synthetic_rows, write_advantages
 
-from batchrl.trainer import UpdateSpec, run_update
+from batchrl.trainer import run_update
 from batchrl.trainer.ray_launch import run_update_on_ray
 
 TIMEOUT_S = 180
@@ -61,12 +61,12 @@ def two_updates(launch, *, out: Path, policies, advantages_files) -> list[Path]:
     reference, policy_in = policies
     outs = [out / "update-0", out / "update-1"]
     for index, update_out in enumerate(outs):
-        spec = UpdateSpec(policy_in=str(policy_in if index == 0 else outs[0] / "policy"),
-                          policy_out=str(update_out / "policy"), advantages_files=advantages_files,
-                          metrics_path=str(update_out / "metrics.json"), reference_policy=str(reference),
-                          trainer_state_in=None if index == 0 else str(outs[0] / "trainer_state"),
-                          trainer_state_out=str(update_out / "trainer_state"),
-                          logprobs_out=str(update_out / "logprobs.parquet"), seed=index, **OPTIONS)
+        spec = make_spec(policy_in=str(policy_in if index == 0 else outs[0] / "policy"),
+                         policy_out=str(update_out / "policy"), advantages_files=advantages_files,
+                         metrics_path=str(update_out / "metrics.json"), reference_policy=str(reference),
+                         trainer_state_in=None if index == 0 else str(outs[0] / "trainer_state"),
+                         trainer_state_out=str(update_out / "trainer_state"),
+                         logprobs_out=str(update_out / "logprobs.parquet"), seed=index, **OPTIONS)
         launch(spec)
     return outs
 
@@ -133,9 +133,9 @@ def test_a_failing_rank_raises_its_error_and_leaves_no_placement_group(ray_sessi
 
     rows = synthetic_rows(vocab_size=AutoConfig.from_pretrained(str(policies[0])).vocab_size, seed=4)
     rows[3]["advantage"] = float("nan")
-    spec = UpdateSpec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
-                      advantages_files=write_advantages(rows, tmp_path / "advantages"),
-                      metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo")
+    spec = make_spec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
+                     advantages_files=write_advantages(rows, tmp_path / "advantages"),
+                     metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo")
 
     with pytest.raises(RuntimeError, match=r"update rank \d failed on Ray(.|\n)*NaN"):
         run_update_on_ray(spec, timeout_s=TIMEOUT_S)
@@ -174,8 +174,8 @@ def test_ranks_the_cluster_cannot_place_fail_with_what_was_asked_and_what_the_cl
     from batchrl.trainer import ray_launch
 
     monkeypatch.setattr(ray_launch, "PLACEMENT_TIMEOUT_S", 1.0)
-    spec = UpdateSpec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
-                      advantages_files=[str(tmp_path / "part-00000.parquet")], metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo")
+    spec = make_spec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
+                     advantages_files=[str(tmp_path / "part-00000.parquet")], metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo")
     with pytest.raises(RuntimeError, match=r"could not place 2 rank\(s\) of \{'CPU': 3.0\}(.|\n)*'CPU': 2.0"):
         run_update_on_ray(spec, cpus_per_rank=3, timeout_s=TIMEOUT_S)
     assert placement_groups_left() == []
@@ -206,10 +206,10 @@ def test_ray_ranks_refuse_a_trainer_state_that_does_not_hash_as_recorded_before_
 
     marker = tmp_path / "code-ran"
     state, recorded = tampered_trainer_state(tmp_path / "state", marker)
-    spec = UpdateSpec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
-                      advantages_files=advantages_files, metrics_path=str(tmp_path / "metrics.json"),
-                      reference_policy=str(policies[0]),
-                      trainer_state_in=str(state), trainer_state_sha256=recorded, **OPTIONS)
+    spec = make_spec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
+                     advantages_files=advantages_files, metrics_path=str(tmp_path / "metrics.json"),
+                     reference_policy=str(policies[0]),
+                     trainer_state_in=str(state), trainer_state_sha256=recorded, **OPTIONS)
     with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256"):
         run_update_on_ray(spec, timeout_s=TIMEOUT_S)
     assert not marker.exists() and placement_groups_left() == []
@@ -229,10 +229,10 @@ def test_a_ray_actor_checks_the_whole_trainer_state_it_downloads(tmp_path, polic
     for path in state.rglob("*"):
         if path.is_file():
             remote.pipe_file(f"/{tmp_path.name}/state/{path.relative_to(state).as_posix()}", path.read_bytes())
-    spec = UpdateSpec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
-                      advantages_files=advantages_files, metrics_path=str(tmp_path / "metrics.json"),
-                      trainer_state_in=f"memory://{tmp_path.name}/state",
-                      trainer_state_sha256=recorded)
+    spec = make_spec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
+                     advantages_files=advantages_files, metrics_path=str(tmp_path / "metrics.json"),
+                     trainer_state_in=f"memory://{tmp_path.name}/state",
+                     trainer_state_sha256=recorded)
     with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256"):
         stage_inputs(spec, tmp_path / "scratch")
     assert not marker.exists()

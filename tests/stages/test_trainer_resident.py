@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import synthetic_rows, write_advantages
+from trainer_helpers import make_spec, synthetic_rows, write_advantages
 
-from batchrl.trainer import UpdateSpec, launch, run_update, shutdown_trainers
+from batchrl.trainer import launch, run_update, shutdown_trainers
 
 TIMEOUT_S = 120
 # Two mini-batches per update, so the second update's steps depend on the Adam moments the first one left.
@@ -63,9 +63,9 @@ def two_updates(root: Path, tiny_policy: Path, advantages: list[list[str]], *, r
     metrics, policy_in, state_in = [], str(tiny_policy), None
     for index, files in enumerate(advantages):
         out = root / f"update{index}"
-        spec = UpdateSpec(policy_in=policy_in, policy_out=str(out / "policy"), advantages_files=files,
-                          metrics_path=str(out / "metrics.json"), trainer_state_in=state_in,
-                          trainer_state_out=str(out / "trainer_state"), seed=index, **OPTIONS)
+        spec = make_spec(policy_in=policy_in, policy_out=str(out / "policy"), advantages_files=files,
+                         metrics_path=str(out / "metrics.json"), trainer_state_in=state_in,
+                         trainer_state_out=str(out / "trainer_state"), seed=index, **OPTIONS)
         metrics.append(run_update(spec, timeout_s=TIMEOUT_S, resident=resident))
         policy_in = str(publish(out / "policy", root / f"published{index}"))
         state_in = str(publish(out / "trainer_state", root / f"published{index}" / "_trainer_state"))
@@ -119,15 +119,15 @@ def test_a_failing_resident_update_drops_the_ranks_and_the_next_starts_fresh(tin
 
     rows = synthetic_rows(vocab_size=AutoConfig.from_pretrained(str(tiny_policy)).vocab_size, seed=3)
     rows[3]["advantage"] = float("nan")
-    bad = UpdateSpec(policy_in=str(tiny_policy), policy_out=str(tmp_path / "bad" / "policy"),
-                     advantages_files=write_advantages(rows, tmp_path / "bad_advantages"),
-                     metrics_path=str(tmp_path / "bad" / "metrics.json"), **OPTIONS)
+    bad = make_spec(policy_in=str(tiny_policy), policy_out=str(tmp_path / "bad" / "policy"),
+                    advantages_files=write_advantages(rows, tmp_path / "bad_advantages"),
+                    metrics_path=str(tmp_path / "bad" / "metrics.json"), **OPTIONS)
     with pytest.raises(RuntimeError, match="NaN"):
         run_update(bad, timeout_s=TIMEOUT_S, resident=True)
     assert launch._POOL is None and not Path(bad.policy_out).exists()
 
-    good = UpdateSpec(policy_in=str(tiny_policy), policy_out=str(tmp_path / "good" / "policy"),
-                      advantages_files=advantages[0], metrics_path=str(tmp_path / "good" / "metrics.json"), **OPTIONS)
+    good = make_spec(policy_in=str(tiny_policy), policy_out=str(tmp_path / "good" / "policy"),
+                     advantages_files=advantages[0], metrics_path=str(tmp_path / "good" / "metrics.json"), **OPTIONS)
     assert run_update(good, timeout_s=TIMEOUT_S, resident=True)["actor/trainer_reused"] == 0.0
 
 

@@ -8,7 +8,6 @@ the second epoch of a single two-epoch update takes.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pickle
 import shutil
@@ -18,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_trainer import load_weights, synthetic_rows, write_advantages
+from trainer_helpers import load_weights, make_spec, respec, synthetic_rows, write_advantages
 
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.integrity import TrainerStateError, file_sha256
@@ -61,9 +60,9 @@ def runs(workdir, tiny_policy, advantages_files):
 
     def spec(name: str, **options) -> UpdateSpec:
         options = {"policy_in": str(tiny_policy), "reference_policy": str(tiny_policy), **COMMON, **options}
-        return UpdateSpec(policy_out=str(workdir / name / "policy"), advantages_files=advantages_files,
-                          metrics_path=str(workdir / name / "metrics.json"),
-                          logprobs_out=str(workdir / name / "logprobs.parquet"), **options)
+        return make_spec(policy_out=str(workdir / name / "policy"), advantages_files=advantages_files,
+                         metrics_path=str(workdir / name / "metrics.json"),
+                         logprobs_out=str(workdir / name / "logprobs.parquet"), **options)
 
     def _run(name: str) -> tuple[dict, UpdateSpec]:
         if name not in _RUNS:
@@ -134,10 +133,10 @@ def test_a_trainer_state_file_that_does_not_hash_as_recorded_is_refused_before_i
     assert marker.exists()
     marker.unlink()
     (state / "optimizer" / ".metadata").write_bytes(planted)
-    spec = dataclasses.replace(first, policy_in=first.policy_out, num_processes=1, trainer_state_in=str(state),
-                               trainer_state_sha256=recorded, trainer_state_out=None,
-                               policy_out=str(tmp_path / "policy"), metrics_path=str(tmp_path / "metrics.json"),
-                               logprobs_out=str(tmp_path / "logprobs.parquet"))
+    spec = respec(first, policy_in=first.policy_out, num_processes=1, trainer_state_in=str(state),
+                  trainer_state_sha256=recorded, trainer_state_out=None,
+                  policy_out=str(tmp_path / "policy"), metrics_path=str(tmp_path / "metrics.json"),
+                  logprobs_out=str(tmp_path / "logprobs.parquet"))
     try:
         with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256 .* is not the .* recorded"):
             run_update(spec, timeout_s=TIMEOUT_S, resident=resident)
@@ -189,9 +188,9 @@ def test_the_kl_loss_and_the_recorded_logprobs_match_a_hand_computation(runs, ti
 def test_a_bfloat16_mixed_precision_update_trains_and_saves_float32_weights(workdir, tiny_policy, advantages_files):
     from safetensors import safe_open
 
-    spec = UpdateSpec(policy_in=str(tiny_policy), policy_out=str(workdir / "bf16" / "policy"),
-                      advantages_files=advantages_files, metrics_path=str(workdir / "bf16" / "metrics.json"),
-                      backend="gloo", dtype="bfloat16", lr=LR, ppo_mini_batch_size=2, max_tokens_per_micro_batch=64)
+    spec = make_spec(policy_in=str(tiny_policy), policy_out=str(workdir / "bf16" / "policy"),
+                     advantages_files=advantages_files, metrics_path=str(workdir / "bf16" / "metrics.json"),
+                     backend="gloo", dtype="bfloat16", lr=LR, ppo_mini_batch_size=2, max_tokens_per_micro_batch=64)
     metrics = run_update(spec, timeout_s=TIMEOUT_S)
 
     assert all(math.isfinite(v) for v in metrics.values()) and metrics["actor/num_optimizer_steps"] == 2
@@ -296,3 +295,41 @@ def test_extending_a_run_keeps_update_fingerprints_unless_the_lr_schedule_spans_
     assert fingerprint(2, lr_schedule="cosine") != fingerprint(4, lr_schedule="cosine")
     assert fingerprint(2, keep_last_k_optimizer_states=1) == fingerprint(2, keep_last_k_optimizer_states=3)
     assert fingerprint(2, keep_last_k_optimizer_states=1) != fingerprint(2, keep_last_k_optimizer_states=0)
+
+
+def test_update_fingerprints_are_those_of_earlier_batchrl_versions():
+    """Completed update stages of existing runs stay valid: the digests were computed before the UpdateSpec was
+    rebuilt from the config (issue 12), for a default and a many-option update."""
+    from batchrl.config.models import PipelineConfig
+    from batchrl.stages.update import UpdateStage
+    from batchrl.storage.manifest import fingerprint
+
+    def digest(**update) -> str:
+        cfg = PipelineConfig(name="t", run={"iterations": 3, "seed": 7}, model={"path": "m"},
+                             data={"train_files": ["x.parquet"]}, update=update)
+        return fingerprint(dict(UpdateStage().fingerprint_config(cfg), iteration=1))
+
+    assert digest() == "83d2e725bdd353b8fe2b"
+    assert digest(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4,
+                  loss_agg_mode="seq-mean-token-sum-norm", kl_loss_coef=0.1, lr_schedule="cosine", lr_warmup_ratio=0.1,
+                  ppo_mini_batch_size=2, max_tokens_per_micro_batch=512, share_prompt=True,
+                  keep_last_k_optimizer_states=0) == "2dcc005a0322465e0aaf"
+
+
+def test_the_stage_hands_the_ranks_its_validated_update_config_with_the_norm_length_resolved(tmp_path):
+    from batchrl.stages.update import _spec
+
+    ctx = stage_context(tmp_path, iteration=2, keep=1)
+    ctx.cfg.update = {"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-sum-norm", "kl_loss_coef": 0.1,
+                      "keep_last_k_optimizer_states": 1}
+    spec = _spec(ctx, policy_in="in", reference_policy="m", advantages_files=["a.parquet"], trainer_state_in=None,
+                 trainer_state_sha256=None, policy_out="out", out_dir=str(tmp_path), metrics_path="m.json")
+
+    resolved = {"loss_agg_norm_length"}
+    assert spec.update.model_dump(exclude=resolved) == ctx.cfg.update.model_dump(exclude=resolved)
+    assert ctx.cfg.update.loss_agg_norm_length is None
+    assert spec.update.loss_agg_norm_length == ctx.cfg.generate.max_new_tokens
+    assert (spec.seed, spec.num_iterations, spec.reference_policy) == (ctx.cfg.run.seed + 2, 1, "m")
+    spec.to_json(tmp_path / "spec.json")
+    # gspo with the default update.dual_clip_ratio: the rank re-validates what the user set, not the defaults
+    assert UpdateSpec.from_json(tmp_path / "spec.json") == spec

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import load_weights, synthetic_rows, write_advantages
+from trainer_helpers import load_weights, make_spec, respec, synthetic_rows, write_advantages
 
 from batchrl.trainer import UpdateSpec, run_update
 
@@ -28,16 +27,16 @@ def base_spec(tmp_path_factory) -> UpdateSpec:
                     num_key_value_heads=2, seed=0)
     vocab_size = AutoConfig.from_pretrained(str(workdir / "policy_in")).vocab_size
     files = write_advantages(synthetic_rows(vocab_size=vocab_size), workdir / "advantages")
-    return UpdateSpec(policy_in=str(workdir / "policy_in"), policy_out=str(workdir / "plain" / "policy"),
-                      advantages_files=files, metrics_path=str(workdir / "plain" / "metrics.json"), backend="nccl",
-                      lr=1e-4, ppo_mini_batch_size=2, ppo_epochs=2, max_tokens_per_micro_batch=40, kl_loss_coef=0.1,
-                      reference_policy=str(workdir / "policy_in"), trainer_state_out=str(workdir / "plain" / "state"))
+    return make_spec(policy_in=str(workdir / "policy_in"), policy_out=str(workdir / "plain" / "policy"),
+                     advantages_files=files, metrics_path=str(workdir / "plain" / "metrics.json"), backend="nccl",
+                     lr=1e-4, ppo_mini_batch_size=2, ppo_epochs=2, max_tokens_per_micro_batch=40, kl_loss_coef=0.1,
+                     reference_policy=str(workdir / "policy_in"), trainer_state_out=str(workdir / "plain" / "state"))
 
 
 def with_outputs(spec: UpdateSpec, name: str, **options) -> UpdateSpec:
     out = Path(spec.policy_out).parent.parent / name
-    return dataclasses.replace(spec, policy_out=str(out / "policy"), metrics_path=str(out / "metrics.json"),
-                               trainer_state_out=str(out / "state"), **options)
+    return respec(spec, policy_out=str(out / "policy"), metrics_path=str(out / "metrics.json"),
+                  trainer_state_out=str(out / "state"), **options)
 
 
 def test_cpu_offload_on_nccl_trains_the_same_weights_as_without_it(base_spec):

@@ -1,0 +1,84 @@
+"""Helpers of the trainer tests (tests/stages/test_trainer*.py, tests/gpu): synthetic advantages tables, weights
+read back from a checkpoint, and update specs built from keyword options.
+
+Here rather than in test_trainer.py so that tests/gpu can import them too (tests/ is on sys.path: it holds the
+root conftest.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from batchrl.config.models import UpdateConfig
+from batchrl.trainer import UpdateSpec
+
+ADVANTAGES_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response_token_ids", pa.list_(pa.int32())),
+        ("response_logprobs", pa.list_(pa.float32())),
+        ("advantage", pa.float32()),
+    ]
+)
+
+
+def make_spec(**options) -> UpdateSpec:
+    """An UpdateSpec from keyword options: UpdateConfig's fields (lr, backend, ...) go into its `update`, validated
+    by UpdateConfig; the others (paths, seed, dtype, reference_policy, ...) are the spec's own."""
+    update = {name: options.pop(name) for name in list(options) if name in UpdateConfig.model_fields}
+    return UpdateSpec(update=UpdateConfig(**update), **options)
+
+
+def respec(spec: UpdateSpec, **options) -> UpdateSpec:
+    """`spec` with `options` changed, sorted between its `update` and its own fields as `make_spec` does."""
+    update = {name: options.pop(name) for name in list(options) if name in UpdateConfig.model_fields}
+    return dataclasses.replace(spec.with_update(**update) if update else spec, **options)
+
+
+def synthetic_rows(*, vocab_size: int, num_prompts: int = 4, samples_per_prompt: int = 4, seed: int = 0):
+    """Random prompts/responses with one empty response, in shuffled order (the trainer sorts)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for p in range(num_prompts):
+        prompt = rng.integers(3, vocab_size, int(rng.integers(2, 9))).tolist()
+        for s in range(samples_per_prompt):
+            length = 0 if (p, s) == (1, 2) else int(rng.integers(1, 12))
+            rows.append(
+                {
+                    "prompt_id": f"prompt-{p}",
+                    "sample_idx": s,
+                    "prompt_token_ids": prompt,
+                    "response_token_ids": rng.integers(3, vocab_size, length).tolist(),
+                    "response_logprobs": (-5 * rng.random(length)).tolist(),
+                    "advantage": float(rng.normal()),
+                }
+            )
+    rng.shuffle(rows)
+    return rows
+
+
+def write_advantages(rows: list[dict], out_dir: Path) -> list[str]:
+    """Two Parquet parts, like a sharded advantage stage."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    half = len(rows) // 2
+    paths = []
+    for index, part in enumerate((rows[:half], rows[half:])):
+        path = out_dir / f"part-{index:05d}.parquet"
+        pq.write_table(pa.Table.from_pylist(part, schema=ADVANTAGES_SCHEMA), path)
+        paths.append(str(path))
+    return paths
+
+
+def load_weights(policy_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
