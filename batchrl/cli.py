@@ -15,17 +15,22 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from batchrl.config import ConfigError, PipelineConfig, load_pipeline
 
-EXIT_CODES_HELP = ("Exit codes: 0 done; 1 internal failure; 2 configuration error, nothing run (also: run directory "
-                   "locked by a live run); 3 data error; 4 interrupted (SIGINT/SIGTERM, object storage unreachable): "
-                   "the same command resumes the run.")
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="batchrl: offline batch-mode RL post-training (GRPO/PPO) over Parquet. " + EXIT_CODES_HELP)
+EXIT_CODES_HELP = (
+    "Exit codes: 0 done; 1 internal failure; 2 configuration error, nothing run (also: run directory "
+    "locked by a live run); 3 data error; 4 interrupted (SIGINT/SIGTERM, object storage unreachable): "
+    "the same command resumes the run."
+)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="batchrl: offline batch-mode RL post-training (GRPO/PPO) over Parquet. " + EXIT_CODES_HELP,
+)
 logger = logging.getLogger("batchrl")
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DATA, EXIT_INTERRUPTED = 0, 1, 2, 3, 4
@@ -33,13 +38,21 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DATA, EXIT_INTERRUPTED = 0, 1, 2, 3, 4
 PipelineArg = typer.Argument(..., help="Pipeline YAML file, e.g. pipelines/quickstart.yaml.")
 SetOpt = typer.Option([], "--set", help="Override a config field: --set generate.temperature=0.7 (repeatable).")
 RunIdOpt = typer.Option(None, "--run-id", help="Run id (directory under run.root); the same id resumes.")
-FromStageOpt = typer.Option(None, "--from-stage", help="Redo this stage (ingest, generate, score, advantage, update) "
-                            "of --iteration and every stage after it, keeping the stages before it; 'evaluate' "
-                            "redoes only the evaluations from --iteration on (default: from the initial policy's), "
-                            "never training.")
+FromStageOpt = typer.Option(
+    None,
+    "--from-stage",
+    help="Redo this stage (ingest, generate, score, advantage, update) "
+    "of --iteration and every stage after it, keeping the stages before it; 'evaluate' "
+    "redoes only the evaluations from --iteration on (default: from the initial policy's), "
+    "never training.",
+)
 IterationOpt = typer.Option(None, "--iteration", help="Iteration of --from-stage (default 0).")
-VerifyOpt = typer.Option(False, "--verify", help="Check every committed part's sha256 against its manifest "
-                         "(reads all data); damaged parts are redone. Without it, only presence and size are checked.")
+VerifyOpt = typer.Option(
+    False,
+    "--verify",
+    help="Check every committed part's sha256 against its manifest "
+    "(reads all data); damaged parts are redone. Without it, only presence and size are checked.",
+)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -54,8 +67,12 @@ def _setup_logging(verbose: bool) -> None:
     quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     for name, value in ({"VLLM_LOGGING_LEVEL": "DEBUG"} if verbose else quiet).items():
         os.environ.setdefault(name, value)
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     if not verbose:
         import ray  # noqa: F401  (importing Ray configures its logger at INFO: quieten it afterwards)
 
@@ -71,7 +88,7 @@ def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineC
 
 
 @app.command()
-def validate(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Optional[str] = RunIdOpt) -> None:
+def validate(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: str | None = RunIdOpt) -> None:
     """Check a pipeline file and print the fully resolved config (exit 2 with field-named errors)."""
     import yaml
 
@@ -80,9 +97,14 @@ def validate(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id
 
 
 @app.command()
-def plan(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Optional[str] = RunIdOpt,
-         from_stage: Optional[str] = FromStageOpt, iteration: Optional[int] = IterationOpt,
-         verify: bool = VerifyOpt) -> None:
+def plan(
+    pipeline: Path = PipelineArg,
+    overrides: list[str] = SetOpt,
+    run_id: str | None = RunIdOpt,
+    from_stage: str | None = FromStageOpt,
+    iteration: int | None = IterationOpt,
+    verify: bool = VerifyOpt,
+) -> None:
     """Print the stages of the run and what `batchrl run` would do with each: skip, resume, redo or run."""
     from batchrl.api import build_plan, check_from_stage
 
@@ -97,9 +119,15 @@ def plan(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Op
     _print_plan(cfg, steps)
 
 
-ACTIONS = {"done": "skip (complete)", "damaged": "repair (redo damaged)", "stale": "redo (config changed)",
-           "outdated": "redo (inputs replaced)", "partial": "resume (partial)", "pending": "run",
-           "forced": "redo (--from-stage)"}
+ACTIONS = {
+    "done": "skip (complete)",
+    "damaged": "repair (redo damaged)",
+    "stale": "redo (config changed)",
+    "outdated": "redo (inputs replaced)",
+    "partial": "resume (partial)",
+    "pending": "run",
+    "forced": "redo (--from-stage)",
+}
 
 
 def _print_plan(cfg: PipelineConfig, steps) -> None:
@@ -122,8 +150,11 @@ def _step_detail(step) -> str:
     if manifest is None:
         return ""
     size = f"{manifest.num_rows} rows" if manifest.schema else f"{len(manifest.parts)} files"
-    details = [size, f"{len(manifest.parts)} parts" if manifest.schema else None,
-               f"{manifest.finished_at - manifest.started_at:.1f} s"]
+    details = [
+        size,
+        f"{len(manifest.parts)} parts" if manifest.schema else None,
+        f"{manifest.finished_at - manifest.started_at:.1f} s",
+    ]
     for key, label in (("rejected", "rejected"), ("failed_samples", "reward failures")):
         if manifest.counts.get(key):
             details.append(f"{manifest.counts[key]} {label}")
@@ -133,9 +164,15 @@ def _step_detail(step) -> str:
 
 
 @app.command()
-def run(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Optional[str] = RunIdOpt,
-        from_stage: Optional[str] = FromStageOpt, iteration: Optional[int] = IterationOpt, verify: bool = VerifyOpt,
-        verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+def run(
+    pipeline: Path = PipelineArg,
+    overrides: list[str] = SetOpt,
+    run_id: str | None = RunIdOpt,
+    from_stage: str | None = FromStageOpt,
+    iteration: int | None = IterationOpt,
+    verify: bool = VerifyOpt,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
     """Run (or resume) a pipeline: ingest, then generate -> score -> advantage -> update per iteration.
 
     Exit codes: 0 done, 1 internal failure, 2 configuration error, 3 data error, 4 interrupted (resume it
@@ -147,7 +184,7 @@ def run(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Opt
     interrupts.install()
     try:
         _run(pipeline, overrides, run_id, from_stage=from_stage, iteration=iteration, verify=verify, verbose=verbose)
-    except Exception:  # noqa: BLE001 — whatever a stop signal broke on its way out (Ray may wrap it): exit 4
+    except Exception:
         if interrupts.received() is None:
             raise
         _exit_interrupted(interrupts.received())
@@ -156,18 +193,27 @@ def run(pipeline: Path = PipelineArg, overrides: list[str] = SetOpt, run_id: Opt
 
 
 def _exit_interrupted(signal_name: str | None) -> None:
-    typer.echo(f"interrupted{f' ({signal_name})' if signal_name else ''}: run again with the same command to resume",
-               err=True)
+    typer.echo(
+        f"interrupted{f' ({signal_name})' if signal_name else ''}: run again with the same command to resume", err=True
+    )
     raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
-def _run(pipeline: Path, overrides: list[str], run_id: str | None, *, from_stage: str | None,
-         iteration: int | None, verify: bool, verbose: bool) -> None:
+def _run(
+    pipeline: Path,
+    overrides: list[str],
+    run_id: str | None,
+    *,
+    from_stage: str | None,
+    iteration: int | None,
+    verify: bool,
+    verbose: bool,
+) -> None:
     cfg = _load(pipeline, overrides, run_id)
     _setup_logging(verbose)
-    from batchrl.pipeline.lock import RunLockedError
     from batchrl.api import Runner
     from batchrl.errors import DataError
+    from batchrl.pipeline.lock import RunLockedError
     from batchrl.setup_steps import run_setup_steps
     from batchrl.storage import StorageError, is_transient_storage_error
 
@@ -177,11 +223,14 @@ def _run(pipeline: Path, overrides: list[str], run_id: str | None, *, from_stage
         # (which read the config alone), before the runner checks its inputs.
         run_setup_steps(cfg.setup)
         summary = runner.run()
-    except Exception as err:  # noqa: BLE001 — mapped to exit codes below, unknown errors re-raised
+    except Exception as err:
         transient = _find_cause(err, is_transient_storage_error)
         if transient is not None:
-            typer.echo(f"interrupted: object storage unreachable ({type(transient).__name__}: {transient}); "
-                       f"nothing is torn: run the same command again to resume", err=True)
+            typer.echo(
+                f"interrupted: object storage unreachable ({type(transient).__name__}: {transient}); "
+                f"nothing is torn: run the same command again to resume",
+                err=True,
+            )
             raise typer.Exit(EXIT_INTERRUPTED) from None
         kinds = (ConfigError, DataError, StorageError, RunLockedError)
         cause = _find_cause(err, lambda e: isinstance(e, kinds))
@@ -228,13 +277,16 @@ def _fmt(value) -> str:
 
 
 @app.command()
-def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) holding run.yaml."),
-           verify: bool = VerifyOpt) -> None:
-    """Each stage of a run: done / partial (k of n shards) / pending / stale / damaged; rows, rejects, durations, lock."""
+def status(
+    run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) holding run.yaml."),
+    verify: bool = VerifyOpt,
+) -> None:
+    """Each stage of a run: done / partial (k of n shards) / pending / stale / damaged; rows, rejects, durations,
+    lock."""
     _require_s3_credentials(run_dir)
+    from batchrl.api import build_plan
     from batchrl.pipeline.lineage import read_lineage
     from batchrl.pipeline.lock import holder_state, lock_holder
-    from batchrl.api import build_plan
     from batchrl.storage import RunLayout
 
     cfg = _run_config(run_dir)
@@ -246,18 +298,25 @@ def status(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
     _print_plan(cfg, steps)
     lineage = read_lineage(run_dir)
     if lineage is not None:
-        typer.echo(f"warm start: {lineage.initial_policy} (init_from {lineage.init_from}); "
-                   f"{len(lineage.seen_files)} input file(s) ingested by earlier runs"
-                   + ("; found no new input file" if lineage.no_new_files else ""))
+        typer.echo(
+            f"warm start: {lineage.initial_policy} (init_from {lineage.init_from}); "
+            f"{len(lineage.seen_files)} input file(s) ingested by earlier runs"
+            + ("; found no new input file" if lineage.no_new_files else "")
+        )
     holder = lock_holder(RunLayout(run_dir).lock)
     if holder is None:
         typer.echo("lock: free")
     else:
         state = holder_state(holder)
-        hint = {"dead": " (stale: the next run takes it over)", "expired": " (stale: the next run takes it over)",
-                "other host": f" (if that run is gone: batchrl unlock {run_dir})"}.get(state, "")
-        typer.echo(f"lock: held by pid {holder.get('pid')} on {holder.get('host')} since "
-                   f"{time.ctime(holder.get('since', 0))}, {state}{hint}")
+        hint = {
+            "dead": " (stale: the next run takes it over)",
+            "expired": " (stale: the next run takes it over)",
+            "other host": f" (if that run is gone: batchrl unlock {run_dir})",
+        }.get(state, "")
+        typer.echo(
+            f"lock: held by pid {holder.get('pid')} on {holder.get('host')} since "
+            f"{time.ctime(holder.get('since', 0))}, {state}{hint}"
+        )
 
 
 def _require_s3_credentials(uri: str) -> None:
@@ -269,8 +328,11 @@ def _require_s3_credentials(uri: str) -> None:
 
     problem = s3_credentials_problem()
     if problem is not None:
-        typer.echo(f"config error: {uri} is on S3, but {problem}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                   "(and AWS_ENDPOINT_URL for an S3-compatible store), or AWS_PROFILE", err=True)
+        typer.echo(
+            f"config error: {uri} is on S3, but {problem}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(and AWS_ENDPOINT_URL for an S3-compatible store), or AWS_PROFILE",
+            err=True,
+        )
         raise typer.Exit(EXIT_CONFIG)
 
 
@@ -282,10 +344,10 @@ def _is_run_dir(uri: str) -> bool:
 
 
 def _run_config(run_dir: str) -> PipelineConfig:
+    import yaml
+
     from batchrl.config import validate_dict
     from batchrl.storage import StorageError, join, resolve
-
-    import yaml
 
     try:
         fs, path = resolve(join(run_dir, "run.yaml"))
@@ -308,7 +370,9 @@ def _run_config(run_dir: str) -> PipelineConfig:
 
 
 @app.command()
-def unlock(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) whose run.lock to clear.")) -> None:
+def unlock(
+    run_dir: str = typer.Argument(..., help="Run directory (local or s3://...) whose run.lock to clear."),
+) -> None:
     """Clear the lock of a run that is no longer running (e.g. a killed job on another host)."""
     _require_s3_credentials(run_dir)
     from batchrl.pipeline.lock import RunLockedError, break_lock
@@ -326,13 +390,16 @@ def unlock(run_dir: str = typer.Argument(..., help="Run directory (local or s3:/
 
 
 @app.command()
-def inspect(table: str = typer.Argument(..., help="A stage table directory, a Parquet file or a run directory "
-                                        "(local or s3://)."),
-            rows: int = typer.Option(3, "--rows", "-n", help="Rows to show.")) -> None:
+def inspect(
+    table: str = typer.Argument(
+        ..., help="A stage table directory, a Parquet file or a run directory (local or s3://)."
+    ),
+    rows: int = typer.Option(3, "--rows", "-n", help="Rows to show."),
+) -> None:
     """Print the schema, row count and first rows of a stage table."""
     _require_s3_credentials(table)
-    from batchrl.storage.manifest import read_manifest
     from batchrl.storage import StorageError, join, read_parquet
+    from batchrl.storage.manifest import read_manifest
 
     manifest = None if table.endswith(".parquet") else read_manifest(table)
     if manifest is None and not table.endswith(".parquet") and _is_run_dir(table):
@@ -343,8 +410,10 @@ def inspect(table: str = typer.Argument(..., help="A stage table directory, a Pa
     try:
         if manifest is not None:
             files = [join(table, p.name) for p in manifest.parts]
-            typer.echo(f"{manifest.stage} stage table, fingerprint {manifest.fingerprint}, {len(files)} part(s), "
-                       f"{manifest.num_rows} rows; counts {json.dumps(manifest.counts)}")
+            typer.echo(
+                f"{manifest.stage} stage table, fingerprint {manifest.fingerprint}, {len(files)} part(s), "
+                f"{manifest.num_rows} rows; counts {json.dumps(manifest.counts)}"
+            )
         else:
             files = [table]
         first = read_parquet(files[0])
@@ -357,10 +426,13 @@ def inspect(table: str = typer.Argument(..., help="A stage table directory, a Pa
 
 
 @app.command()
-def report(run_dir: str = typer.Argument(..., help="Run directory (local or s3://...)."),
-           out: Optional[str] = typer.Option(None, "--out", help="Where to write index.html and the PNG plots "
-                                             "(default <run>/report; local or s3://)."),
-           groups: int = typer.Option(3, "--groups", help="Sample groups shown per iteration.")) -> None:
+def report(
+    run_dir: str = typer.Argument(..., help="Run directory (local or s3://...)."),
+    out: str | None = typer.Option(
+        None, "--out", help="Where to write index.html and the PNG plots (default <run>/report; local or s3://)."
+    ),
+    groups: int = typer.Option(3, "--groups", help="Sample groups shown per iteration."),
+) -> None:
     """Plots of reward, accuracy, KL, entropy, response length and timings per iteration, and an HTML page
     with the best and worst completion of sample groups per iteration."""
     _require_s3_credentials(run_dir)
@@ -395,7 +467,7 @@ def main() -> None:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except typer.Abort:
         code = 1
-    except Exception as error:  # noqa: BLE001 - click's usage errors and the like: print as app() would
+    except Exception as error:
         if not (hasattr(error, "show") and isinstance(getattr(error, "exit_code", None), int)):
             raise
         error.show()  # a (vendored) click.ClickException: a usage mistake, exit 2

@@ -35,5 +35,4 @@ def import_reference(reference: str, *, what: str) -> Any:
     try:
         return functools.reduce(getattr, attribute_path.split("."), module)
     except AttributeError as error:
-        raise ValueError(f"{what} {reference!r}: module {module_name!r} has no attribute {attribute_path!r}") \
-            from error
+        raise ValueError(f"{what} {reference!r}: module {module_name!r} has no attribute {attribute_path!r}") from error

@@ -50,8 +50,10 @@ def resolve_setup_step(name: str, step: SetupStep) -> Callable[[], Any]:
     try:
         function = import_reference(step.call, what="function")
     except ValueError as err:
-        raise ConfigError(f"setup.{name}.call: {err}; name a function importable from the job's Python path "
-                          "(an installed package, or PYTHONPATH)") from None
+        raise ConfigError(
+            f"setup.{name}.call: {err}; name a function importable from the job's Python path "
+            "(an installed package, or PYTHONPATH)"
+        ) from None
     if not callable(function):
         raise ConfigError(f"setup.{name}.call: {step.call!r} names a {type(function).__name__}, not a function")
     try:
@@ -62,12 +64,17 @@ def resolve_setup_step(name: str, step: SetupStep) -> Callable[[], Any]:
         try:
             signature.bind(**step.arguments)
         except TypeError as err:
-            raise ConfigError(f"setup.{name}.arguments: {step.call} cannot be called with them ({err}); its "
-                              f"parameters: {_parameters(signature)}") from None
+            raise ConfigError(
+                f"setup.{name}.arguments: {step.call} cannot be called with them ({err}); its "
+                f"parameters: {_parameters(signature)}"
+            ) from None
     return functools.partial(function, **step.arguments)
 
 
 def _parameters(signature: inspect.Signature) -> str:
-    named = [p.name + ("" if p.default is inspect.Parameter.empty else "=...") for p in signature.parameters.values()
-             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    named = [
+        p.name + ("" if p.default is inspect.Parameter.empty else "=...")
+        for p in signature.parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
     return ", ".join(named) or "none"

@@ -42,24 +42,38 @@ class ToyAssetsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_dir: str = Field(..., description="Where the tiny model is built (if absent); point model.path here.")
-    data_dir: str = Field(..., description="Where synthetic prompt shards are built (if absent); point data.train_files here.")
+    data_dir: str = Field(
+        ..., description="Where synthetic prompt shards are built (if absent); point data.train_files here."
+    )
     num_prompts: int = Field(64, ge=1, description="Number of synthetic prompts.")
     num_shards: int = Field(2, ge=1, description="Number of prompt Parquet shards written.")
     format: Literal["batchrl", "verl"] = Field("batchrl", description="Column layout of the synthetic prompts.")
     seed: int = Field(0, description="Seed for the model's random init and the prompts.")
     max_operand: int = Field(50, ge=1, description="Operands of the arithmetic prompts are 0..max_operand.")
-    sft_steps: int = Field(0, ge=0, description="Supervised warm start of the model when it is built "
-                           "(batchrl_toy.sft.sft_warm_start: steps of 32 '#### n' demonstrations, never a held-out "
-                           "question); 0 = random weights, which never earn a reward.")
-    sft_format_share: float = Field(1.0, ge=0.0, le=1.0, description="Share of the SFT demonstrations that end "
-                                    "'#### n'; the others end '#### n.', which the strict gsm8k reward (as verl's) "
-                                    "reads as 'n.' and scores 0, so the warm model has the grader's format to learn.")
-    eval_dir: str | None = Field(None, description="Where held-out prompts are built (if absent); point "
-                                 "evaluate.files here. The training prompts then avoid every held-out question.")
+    sft_steps: int = Field(
+        0,
+        ge=0,
+        description="Supervised warm start of the model when it is built "
+        "(batchrl_toy.sft.sft_warm_start: steps of 32 '#### n' demonstrations, never a held-out "
+        "question); 0 = random weights, which never earn a reward.",
+    )
+    sft_format_share: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of the SFT demonstrations that end "
+        "'#### n'; the others end '#### n.', which the strict gsm8k reward (as verl's) "
+        "reads as 'n.' and scores 0, so the warm model has the grader's format to learn.",
+    )
+    eval_dir: str | None = Field(
+        None,
+        description="Where held-out prompts are built (if absent); point "
+        "evaluate.files here. The training prompts then avoid every held-out question.",
+    )
     num_eval_prompts: int = Field(64, ge=1, description="Number of held-out prompts built in eval_dir.")
 
     @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any]) -> "ToyAssetsConfig":
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> ToyAssetsConfig:
         """The validated arguments, or a ConfigError with one line per mistake, naming the argument
         (``arguments.sft_steps: ...``) as the pipeline file spells it."""
         try:
@@ -130,16 +144,24 @@ def ensure_toy_assets(
     is an error rather than silently replaced.
     """
     if _claim_dir(Path(model_dir), _model_is_built, "is not a complete model; remove it to rebuild the toy model"):
-        _build_atomically(Path(model_dir), lambda tmp: _build_model_dir(tmp, seed, sft_steps, sft_format_share,
-                                                                        max_operand))
+        _build_atomically(
+            Path(model_dir), lambda tmp: _build_model_dir(tmp, seed, sft_steps, sft_format_share, max_operand)
+        )
     train_split: ArithSplit = "all" if eval_dir is None else "train"
     if _claim_dir(Path(data_dir), _prompts_are_built, "holds no toy prompts; remove it to rebuild them"):
-        _build_atomically(Path(data_dir), lambda tmp: _build_prompts_dir(
-            tmp, num_prompts, num_shards, seed, fmt, max_operand=max_operand, split=train_split))
-    if eval_dir is not None and _claim_dir(Path(eval_dir), _prompts_are_built, "holds no toy prompts; remove it to "
-                                           "rebuild them"):
-        _build_atomically(Path(eval_dir), lambda tmp: _build_prompts_dir(
-            tmp, num_eval_prompts, 1, seed, fmt, max_operand=max_operand, split="eval"))
+        _build_atomically(
+            Path(data_dir),
+            lambda tmp: _build_prompts_dir(
+                tmp, num_prompts, num_shards, seed, fmt, max_operand=max_operand, split=train_split
+            ),
+        )
+    if eval_dir is not None and _claim_dir(
+        Path(eval_dir), _prompts_are_built, "holds no toy prompts; remove it to rebuild them"
+    ):
+        _build_atomically(
+            Path(eval_dir),
+            lambda tmp: _build_prompts_dir(tmp, num_eval_prompts, 1, seed, fmt, max_operand=max_operand, split="eval"),
+        )
 
 
 def setup_toy_assets(**arguments: Any) -> None:
@@ -152,10 +174,19 @@ def setup_toy_assets(**arguments: Any) -> None:
             arguments: {model_dir: .cache/toy/quickstart/model, data_dir: .cache/toy/quickstart/prompts}
     """
     toy = ToyAssetsConfig.from_arguments(arguments)
-    ensure_toy_assets(toy.model_dir, toy.data_dir, num_prompts=toy.num_prompts, num_shards=toy.num_shards,
-                      seed=toy.seed, fmt=toy.format, max_operand=toy.max_operand, sft_steps=toy.sft_steps,
-                      sft_format_share=toy.sft_format_share, eval_dir=toy.eval_dir,
-                      num_eval_prompts=toy.num_eval_prompts)
+    ensure_toy_assets(
+        toy.model_dir,
+        toy.data_dir,
+        num_prompts=toy.num_prompts,
+        num_shards=toy.num_shards,
+        seed=toy.seed,
+        fmt=toy.format,
+        max_operand=toy.max_operand,
+        sft_steps=toy.sft_steps,
+        sft_format_share=toy.sft_format_share,
+        eval_dir=toy.eval_dir,
+        num_eval_prompts=toy.num_eval_prompts,
+    )
 
 
 def _claim_dir(path: Path, is_built: Any, complaint: str) -> bool:
@@ -197,38 +228,81 @@ def _cpu_has_avx2() -> bool:
 
 def _build_model_dir(tmp_dir: Path, seed: int, sft_steps: int, sft_format_share: float, max_operand: int) -> None:
     """Builds the model in a child process with `reproducible_env` (torch reads it when first imported)."""
-    args = json.dumps({"tmp_dir": str(tmp_dir), "seed": seed, "sft_steps": sft_steps,
-                       "sft_format_share": sft_format_share, "max_operand": max_operand})
+    args = json.dumps(
+        {
+            "tmp_dir": str(tmp_dir),
+            "seed": seed,
+            "sft_steps": sft_steps,
+            "sft_format_share": sft_format_share,
+            "max_operand": max_operand,
+        }
+    )
     code = "import sys; from batchrl_toy.assets import build_model_dir_here; build_model_dir_here(sys.argv[1])"
     sys.stderr.flush()  # the child logs to the same stderr, in batchrl's format, as it goes
     done = subprocess.run([sys.executable, "-c", code, args], env={**os.environ, **reproducible_env()})
     if done.returncode != 0:
-        raise RuntimeError(f"building the toy model in {tmp_dir} failed (exit {done.returncode}); its error is "
-                           "logged above")
+        raise RuntimeError(
+            f"building the toy model in {tmp_dir} failed (exit {done.returncode}); its error is logged above"
+        )
 
 
 def build_model_dir_here(args_json: str) -> None:
     """The toy build, in this process (the child `_build_model_dir` starts): model, SFT, marker file."""
     import torch
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        datefmt="%H:%M:%S",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     torch.set_num_threads(TOY_BUILD_THREADS)
     args = json.loads(args_json)
     tmp_dir, seed, sft_steps = Path(args["tmp_dir"]), args["seed"], args["sft_steps"]
     build_toy_model(tmp_dir, seed=seed)
-    marker: dict[str, Any] = {"seed": seed, "sft_steps": sft_steps, "sft_format_share": args["sft_format_share"],
-                              "max_operand": args["max_operand"], "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    marker: dict[str, Any] = {
+        "seed": seed,
+        "sft_steps": sft_steps,
+        "sft_format_share": args["sft_format_share"],
+        "max_operand": args["max_operand"],
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     if sft_steps:
-        marker |= sft_warm_start(tmp_dir, num_steps=sft_steps, max_operand=args["max_operand"],
-                                 format_share=args["sft_format_share"], seed=seed)
+        marker |= sft_warm_start(
+            tmp_dir,
+            num_steps=sft_steps,
+            max_operand=args["max_operand"],
+            format_share=args["sft_format_share"],
+            seed=seed,
+        )
     (tmp_dir / "_TOY_MODEL.json").write_text(json.dumps(marker))
 
 
-def _build_prompts_dir(tmp_dir: Path, num_prompts: int, num_shards: int, seed: int, fmt: str, *,
-                       max_operand: int = MAX_OPERAND, split: ArithSplit = "all") -> None:
-    build_arith_prompts(str(tmp_dir), num_prompts=num_prompts, num_shards=num_shards, seed=seed, fmt=fmt,
-                        max_operand=max_operand, split=split)
-    marker = {"num_prompts": num_prompts, "num_shards": num_shards, "seed": seed, "fmt": fmt,
-              "max_operand": max_operand, "split": split}
+def _build_prompts_dir(
+    tmp_dir: Path,
+    num_prompts: int,
+    num_shards: int,
+    seed: int,
+    fmt: str,
+    *,
+    max_operand: int = MAX_OPERAND,
+    split: ArithSplit = "all",
+) -> None:
+    build_arith_prompts(
+        str(tmp_dir),
+        num_prompts=num_prompts,
+        num_shards=num_shards,
+        seed=seed,
+        fmt=fmt,
+        max_operand=max_operand,
+        split=split,
+    )
+    marker = {
+        "num_prompts": num_prompts,
+        "num_shards": num_shards,
+        "seed": seed,
+        "fmt": fmt,
+        "max_operand": max_operand,
+        "split": split,
+    }
     (tmp_dir / "_TOY_PROMPTS.json").write_text(json.dumps(marker))

@@ -19,6 +19,7 @@ from batchrl_toy.tokenizer import IM_END, PAD_TOKEN, build_toy_tokenizer
 
 logger = logging.getLogger(__name__)
 
+
 def build_toy_model(
     out_dir: str | os.PathLike,
     *,

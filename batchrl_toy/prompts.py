@@ -34,7 +34,6 @@ VERL_PROMPT_SCHEMA = pa.schema(
 )
 
 
-
 def _resolve_filesystem(out_dir: str, filesystem: Any) -> tuple[pafs.FileSystem, str]:
     """A pyarrow filesystem and the path inside it, from a local path, a URI, or a given pyarrow/fsspec fs."""
     if filesystem is None:

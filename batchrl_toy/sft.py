@@ -15,6 +15,7 @@ from batchrl_toy.task import MAX_OPERAND, arith_demonstration, arith_problems
 
 logger = logging.getLogger(__name__)
 
+
 def sft_warm_start(
     model_dir: str | os.PathLike,
     *,
@@ -49,8 +50,7 @@ def sft_warm_start(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
-    problems = arith_problems(num_prompts=num_steps * batch_size, seed=seed + 1, max_operand=max_operand,
-                               split="train")
+    problems = arith_problems(num_prompts=num_steps * batch_size, seed=seed + 1, max_operand=max_operand, split="train")
     graded_N = np.random.default_rng(seed + 2).random(len(problems)) < format_share  # [num_steps * batch_size]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, min(20, num_steps // 10))
@@ -70,8 +70,14 @@ def sft_warm_start(
             logger.info("SFT warm start: step %d/%d, loss %.3f", step + 1, num_steps, float(np.mean(losses[-10:])))
     model.save_pretrained(str(model_dir), safe_serialization=True)
     stats = {"sft/loss_first": float(np.mean(losses[:10])), "sft/loss_last": float(np.mean(losses[-10:]))}
-    logger.info("SFT warm start of %s: %d steps x %d demos, loss %.3f -> %.3f", model_dir, num_steps, batch_size,
-                stats["sft/loss_first"], stats["sft/loss_last"])
+    logger.info(
+        "SFT warm start of %s: %d steps x %d demos, loss %.3f -> %.3f",
+        model_dir,
+        num_steps,
+        batch_size,
+        stats["sft/loss_first"],
+        stats["sft/loss_last"],
+    )
     return stats
 
 
@@ -84,11 +90,13 @@ def _sft_batch(tokenizer: Any, problems: list[tuple[str, str]], graded: list[boo
 
     rows = []
     for (question, answer), graded_format in zip(problems, graded, strict=True):
-        prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                    add_generation_prompt=True, tokenize=False)
+        prompt_text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(arith_demonstration(answer, graded_format=graded_format),
-                                 add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(arith_demonstration(answer, graded_format=graded_format), add_special_tokens=False)[
+            "input_ids"
+        ]
         rows.append((prompt_ids, response_ids + [tokenizer.eos_token_id]))
     length = max(len(p) + len(r) for p, r in rows)
     input_ids_BT = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
@@ -96,7 +104,7 @@ def _sft_batch(tokenizer: Any, problems: list[tuple[str, str]], graded: list[boo
     labels_BT = torch.full((len(rows), length), -100, dtype=torch.long)
     for i, (prompt_ids, response_ids) in enumerate(rows):
         ids = prompt_ids + response_ids
-        input_ids_BT[i, :len(ids)] = torch.tensor(ids)
-        attention_mask_BT[i, :len(ids)] = 1
-        labels_BT[i, len(prompt_ids):len(ids)] = torch.tensor(response_ids)
+        input_ids_BT[i, : len(ids)] = torch.tensor(ids)
+        attention_mask_BT[i, : len(ids)] = 1
+        labels_BT[i, len(prompt_ids) : len(ids)] = torch.tensor(response_ids)
     return input_ids_BT, attention_mask_BT, labels_BT

@@ -19,8 +19,9 @@ HELD_OUT_BUCKET = 26  # a question is held out when the first byte of its sha256
 ArithSplit = Literal["all", "train", "eval"]
 
 
-def arith_problems(*, num_prompts: int, seed: int, max_operand: int = MAX_OPERAND,
-                    split: ArithSplit = "all") -> list[tuple[str, str]]:
+def arith_problems(
+    *, num_prompts: int, seed: int, max_operand: int = MAX_OPERAND, split: ArithSplit = "all"
+) -> list[tuple[str, str]]:
     """(question, answer) pairs; subtraction keeps a >= b so answers are non-negative integers.
 
     split "all" draws from every problem (duplicates possible); "train" only from problems outside the
@@ -32,8 +33,10 @@ def arith_problems(*, num_prompts: int, seed: int, max_operand: int = MAX_OPERAN
         raise ValueError(f"split={split!r} must be 'all', 'train' or 'eval'")
     available = sum(is_held_out(q) == (split == "eval") for q, _ in all_arith_problems(max_operand=max_operand))
     if split == "eval" and num_prompts > available:
-        raise ValueError(f"only {available} held-out problems have operands <= {max_operand}; "
-                         f"ask for at most that many eval prompts or raise max_operand")
+        raise ValueError(
+            f"only {available} held-out problems have operands <= {max_operand}; "
+            f"ask for at most that many eval prompts or raise max_operand"
+        )
     rng = np.random.default_rng(seed)
     problems: list[tuple[str, str]] = []
     seen: set[str] = set()

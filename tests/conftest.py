@@ -42,8 +42,12 @@ def ray_session():
         return
     stages_dir = str(Path(__file__).parent / "stages")
     pythonpath = os.pathsep.join(filter(None, [stages_dir, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+    )
     yield
     from batchrl.stages.generate import EnginePool
 

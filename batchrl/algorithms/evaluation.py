@@ -52,11 +52,18 @@ def pass_at_k(num_samples: int, num_passed: int, k: int) -> float:
     return 1.0 - math.comb(num_samples - num_passed, k) / math.comb(num_samples, k)
 
 
-def evaluation_metrics(data_source_P: np.ndarray, *, greedy_score_P: np.ndarray | None,
-                       greedy_answered_P: np.ndarray | None, greedy_length_P: np.ndarray | None,
-                       sample_scores_PK: np.ndarray | None, sample_answered_PK: np.ndarray | None,
-                       sample_lengths_PK: np.ndarray | None, majority_score_P: np.ndarray | None,
-                       pass_threshold: float) -> dict[str, float]:
+def evaluation_metrics(
+    data_source_P: np.ndarray,
+    *,
+    greedy_score_P: np.ndarray | None,
+    greedy_answered_P: np.ndarray | None,
+    greedy_length_P: np.ndarray | None,
+    sample_scores_PK: np.ndarray | None,
+    sample_answered_PK: np.ndarray | None,
+    sample_lengths_PK: np.ndarray | None,
+    majority_score_P: np.ndarray | None,
+    pass_threshold: float,
+) -> dict[str, float]:
     """Per data_source: greedy mean@1 and sampled mean@k, pass@k, maj@k (core), std@k, pass@j, answered,
     response length and num_prompts (aux). P prompts, K sampled responses each."""
     metrics: dict[str, float] = {}

@@ -67,8 +67,8 @@ def kl_penalty(
     """Return per-token estimates of KL(policy || ref), [batch, tokens], unmasked (aggregate with a mask).
 
     estimator: "k1" = logp - ref; "k2"/"mse" = 0.5 (logp - ref)^2; "k3" = "low_var_kl" =
-    exp(ref - logp) - (ref - logp) - 1 clamped to [-10, 10] (verl); "abs" = |logp - ref|; "k1+", "k3+", "low_var_kl+" = the
-    value of k1/k3/low_var_kl with the gradient of k2 (see the module docstring for why).
+    exp(ref - logp) - (ref - logp) - 1 clamped to [-10, 10] (verl); "abs" = |logp - ref|; "k1+", "k3+",
+    "low_var_kl+" = the value of k1/k3/low_var_kl with the gradient of k2 (see the module docstring for why).
     Gradients flow to `logprobs_BT` only; the reference is a constant.
     """
     if estimator not in KL_ESTIMATORS:

@@ -311,9 +311,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = N
     return total / count.clamp_min(1)
 
 
-def approx_kl(
-    logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
-) -> torch.Tensor:
+def approx_kl(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """Masked mean of old - new log-probs (the k1 estimate of KL(old || new); verl's actor/ppo_kl)."""
     _check_same_shape(logprobs=logprobs_BT, old_logprobs=old_logprobs_BT, mask=mask_BT)
     log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)

@@ -38,8 +38,9 @@ def load_pipeline(path: str | os.PathLike, *, overrides: list[str] = (), run_id:
     return validate_dict(merged, source=str(path), set_by=set_by)
 
 
-def validate_dict(raw: dict[str, Any], *, source: str = "<config>",
-                  set_by: dict[tuple[str, ...], str] | None = None) -> PipelineConfig:
+def validate_dict(
+    raw: dict[str, Any], *, source: str = "<config>", set_by: dict[tuple[str, ...], str] | None = None
+) -> PipelineConfig:
     """``set_by``: field path -> the ``--set`` override that gave it, so its errors are blamed on the override."""
     try:
         return PipelineConfig.model_validate(raw)
@@ -47,16 +48,19 @@ def validate_dict(raw: dict[str, Any], *, source: str = "<config>",
         raise ConfigError(format_validation_error(err, source=source, set_by=set_by or {})) from None
 
 
-def format_validation_error(err: ValidationError, *, source: str,
-                            set_by: dict[tuple[str, ...], str] | None = None) -> str:
+def format_validation_error(
+    err: ValidationError, *, source: str, set_by: dict[tuple[str, ...], str] | None = None
+) -> str:
     lines = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "<top level>"
         kind = e["type"]
         where = _error_source(tuple(str(p) for p in e["loc"]), source=source, set_by=set_by or {})
         if kind == "extra_forbidden":
-            lines.append(f"{where}: unknown field '{field}': remove it or check its spelling"
-                         f"{_did_you_mean(e['loc'])} (every field: docs/CONFIG.md)")
+            lines.append(
+                f"{where}: unknown field '{field}': remove it or check its spelling"
+                f"{_did_you_mean(e['loc'])} (every field: docs/CONFIG.md)"
+            )
         elif kind == "missing":
             lines.append(f"{where}: missing required field '{field}': add it to the pipeline file")
         else:
@@ -71,9 +75,9 @@ def _error_source(loc: tuple[str, ...], *, source: str, set_by: dict[tuple[str, 
     """The override that set the field at ``loc`` (or a section holding it), else ``source``; a section-level error
     about a section an override changed names both."""
     for key, override in set_by.items():
-        if loc[:len(key)] == key:
+        if loc[: len(key)] == key:
             return override
-    within = [override for key, override in set_by.items() if key[:len(loc)] == loc and loc]
+    within = [override for key, override in set_by.items() if key[: len(loc)] == loc and loc]
     return f"{source} (with {', '.join(within)})" if within else source
 
 
@@ -87,8 +91,9 @@ def _did_you_mean(loc: tuple) -> str:
         if field is None:
             continue  # a key of a mapping of sections (setup.<name>): its value model is already in hand
         annotation = getattr(field, "annotation", None)
-        model = next((a for a in (annotation, *getattr(annotation, "__args__", ())) if hasattr(a, "model_fields")),
-                     None)
+        model = next(
+            (a for a in (annotation, *getattr(annotation, "__args__", ())) if hasattr(a, "model_fields")), None
+        )
         if model is None:
             return ""
     close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
@@ -170,5 +175,7 @@ def _find_profile(name: str, *, pipeline_path: Path) -> Path:
         if candidate.is_file():
             return candidate
     searched = ", ".join(str(c) for c in candidates)
-    raise ConfigError(f"profiles: profile '{name}' not found (looked for {searched}); "
-                      f"list conf/ for available profiles or set BATCHRL_CONF_DIR")
+    raise ConfigError(
+        f"profiles: profile '{name}' not found (looked for {searched}); "
+        f"list conf/ for available profiles or set BATCHRL_CONF_DIR"
+    )

@@ -82,8 +82,9 @@ def _section(path: str, model: type[BaseModel]) -> str:
         description = _cell(field.description or "")
         if sub is not None:
             description += f" See `{path}{name}{item}` below." if description else f"See `{path}{name}{item}` below."
-        lines.append(f"| `{path}{name}` | {_type_name(field.annotation)}{_bounds(field)} | {_default(field)} | "
-                     f"{description} |")
+        lines.append(
+            f"| `{path}{name}` | {_type_name(field.annotation)}{_bounds(field)} | {_default(field)} | {description} |"
+        )
     return "\n".join(lines) + "\n"
 
 

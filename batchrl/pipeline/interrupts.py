@@ -20,7 +20,7 @@ import contextlib
 import logging
 import signal
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,11 @@ def _on_signal(signum: int, frame) -> None:
     _disarm_alarm()  # absl's abort timer, armed if its handler saw this SIGTERM first (see above)
     name = signal.Signals(signum).name
     if _State.received is not None:
-        logger.warning("%s received while stopping: finishing the clean-up first (SIGKILL stops at once, "
-                       "leaving the run lock for the next run to take over)", name)
+        logger.warning(
+            "%s received while stopping: finishing the clean-up first (SIGKILL stops at once, "
+            "leaving the run lock for the next run to take over)",
+            name,
+        )
         return
     _State.received = name
     if _State.deferring:

@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 import yaml
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.storage.manifest import Manifest, fingerprint, read_manifest
 from batchrl.storage import RunLayout, expand_parquet_files, file_identities, join, resolve, write_bytes_atomic
 from batchrl.storage.fs import protocol_prefix
+from batchrl.storage.manifest import Manifest, fingerprint, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Lineage:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Lineage":
+    def from_json(cls, text: str) -> Lineage:
         return cls(**json.loads(text))
 
     def skips_seen_files(self, cfg: PipelineConfig) -> bool:
@@ -55,8 +55,11 @@ class Lineage:
 
 
 def fresh_lineage(cfg: PipelineConfig) -> Lineage:
-    return Lineage(init_from=None, initial_policy=cfg.model.path,
-                   initial_policy_fingerprint=fingerprint({"initial_policy": cfg.model.path}))
+    return Lineage(
+        init_from=None,
+        initial_policy=cfg.model.path,
+        initial_policy_fingerprint=fingerprint({"initial_policy": cfg.model.path}),
+    )
 
 
 def read_lineage(run_dir: str) -> Lineage | None:
@@ -85,17 +88,25 @@ def resolve_lineage(cfg: PipelineConfig) -> Lineage:
     if any(ch in source for ch in "*?["):
         found = _latest_complete_run(source, before=cfg.run_id)
         if found is None:
-            logger.warning("run.init_from=%s matches no complete run before %s: starting from model.path (%s)",
-                           source, cfg.run_id, cfg.model.path)
-            return Lineage(init_from=cfg.run.init_from, initial_policy=cfg.model.path,
-                           initial_policy_fingerprint=fingerprint({"initial_policy": cfg.model.path}))
+            logger.warning(
+                "run.init_from=%s matches no complete run before %s: starting from model.path (%s)",
+                source,
+                cfg.run_id,
+                cfg.model.path,
+            )
+            return Lineage(
+                init_from=cfg.run.init_from,
+                initial_policy=cfg.model.path,
+                initial_policy_fingerprint=fingerprint({"initial_policy": cfg.model.path}),
+            )
         policy_dir, policy_fp, source_run = found
     else:
         policy_dir, policy_fp, source_run = _last_policy(source)
     seen = _files_seen_by(source_run) if cfg.run.new_files_only else []
     logger.info("warm start from %s (%d input file(s) already ingested by earlier runs)", policy_dir, len(seen))
-    return Lineage(init_from=cfg.run.init_from, initial_policy=policy_dir, initial_policy_fingerprint=policy_fp,
-                   seen_files=seen)
+    return Lineage(
+        init_from=cfg.run.init_from, initial_policy=policy_dir, initial_policy_fingerprint=policy_fp, seen_files=seen
+    )
 
 
 def _last_policy(source: str) -> tuple[str, str, str]:
@@ -111,9 +122,11 @@ def _last_policy(source: str) -> tuple[str, str, str]:
     policy_dir = RunLayout(source).table_dir("policy", iterations - 1)
     manifest = read_manifest(policy_dir)
     if manifest is None:
-        raise ConfigError(f"run.init_from: {source} is not complete ({policy_dir} has no manifest): resume it "
-                          f"first (batchrl run ... --run-id {source.rsplit('/', 1)[-1]}), or set run.init_from "
-                          f"to one of its completed iter_NNNN/policy directories")
+        raise ConfigError(
+            f"run.init_from: {source} is not complete ({policy_dir} has no manifest): resume it "
+            f"first (batchrl run ... --run-id {source.rsplit('/', 1)[-1]}), or set run.init_from "
+            f"to one of its completed iter_NNNN/policy directories"
+        )
     return policy_dir, _policy_fingerprint(policy_dir, manifest), source
 
 
@@ -131,8 +144,13 @@ def _latest_complete_run(pattern: str, *, before: str) -> tuple[str, str, str] |
 
 
 def _policy_fingerprint(policy_dir: str, manifest: Manifest) -> str:
-    return fingerprint({"initial_policy": policy_dir, "manifest": manifest.fingerprint,
-                        "files": sorted(p.sha256 for p in manifest.parts)})
+    return fingerprint(
+        {
+            "initial_policy": policy_dir,
+            "manifest": manifest.fingerprint,
+            "files": sorted(p.sha256 for p in manifest.parts),
+        }
+    )
 
 
 def _run_yaml(run_dir: str) -> dict:
@@ -140,23 +158,29 @@ def _run_yaml(run_dir: str) -> dict:
     try:
         return yaml.safe_load(fs.cat_file(path).decode()) or {}
     except FileNotFoundError:
-        raise ConfigError(f"run.init_from: {run_dir} is neither a batchrl run directory (no run.yaml) nor a "
-                          f"policy directory (no update manifest); fix the path") from None
+        raise ConfigError(
+            f"run.init_from: {run_dir} is neither a batchrl run directory (no run.yaml) nor a "
+            f"policy directory (no update manifest); fix the path"
+        ) from None
 
 
 def _files_seen_by(run_dir: str) -> list[dict]:
     """The files ``run_dir`` ingested plus those it inherited: what its successor must skip."""
     raw = _run_yaml(run_dir)
     if (raw.get("data") or {}).get("max_prompts") is not None:
-        raise ConfigError(f"run.init_from: {run_dir} used data.max_prompts, so it may have stopped reading its "
-                          f"input files part-way; the files it ingested are unknown: set run.new_files_only: false")
+        raise ConfigError(
+            f"run.init_from: {run_dir} used data.max_prompts, so it may have stopped reading its "
+            f"input files part-way; the files it ingested are unknown: set run.new_files_only: false"
+        )
     lineage = read_lineage(run_dir)
     seen = list(lineage.seen_files) if lineage is not None else []
     prompts = read_manifest(RunLayout(run_dir).table_dir("prompts", None))
     if prompts is not None:
         if prompts.parts and not prompts.sources:
-            raise ConfigError(f"run.init_from: {run_dir}'s prompts manifest does not list its input files (written "
-                              f"by an older batchrl): set run.new_files_only: false")
+            raise ConfigError(
+                f"run.init_from: {run_dir}'s prompts manifest does not list its input files (written "
+                f"by an older batchrl): set run.new_files_only: false"
+            )
         seen += prompts.sources
     return _dedupe(seen)
 

@@ -44,7 +44,7 @@ class RunLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         try:
             with deferred():  # a stop signal while the lock is being taken is raised once it is taken...
                 self._acquire()
@@ -58,8 +58,13 @@ class RunLock:
         if holder is not None:
             state = holder_state(holder)
             if state in ("dead", "expired"):
-                logger.warning("taking over a stale run lock (%s) of pid %s on %s: %s", state, holder.get("pid"),
-                               holder.get("host"), self.uri)
+                logger.warning(
+                    "taking over a stale run lock (%s) of pid %s on %s: %s",
+                    state,
+                    holder.get("pid"),
+                    holder.get("host"),
+                    self.uri,
+                )
                 self.fs.rm(self.path)
             else:
                 raise RunLockedError(_locked_message(self.uri, holder, state))
@@ -69,7 +74,9 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                raise RunLockedError(f"another batchrl run took the lock {self.uri} just now; try again later") from None
+                raise RunLockedError(
+                    f"another batchrl run took the lock {self.uri} just now; try again later"
+                ) from None
             with os.fdopen(fd, "wb") as f:
                 f.write(payload)
         else:
@@ -88,12 +95,15 @@ class RunLock:
         try:
             if self._is_mine(lock_holder(self.uri)):
                 self.fs.rm(self.path)
-        except Exception as err:  # noqa: BLE001 — never mask the run's own outcome; the lock expires anyway
-            logger.warning("could not release the run lock %s (%s); the next run takes it over once it is "
-                           "stale", self.uri, err)
+        except Exception as err:
+            logger.warning(
+                "could not release the run lock %s (%s); the next run takes it over once it is stale", self.uri, err
+            )
 
     def _is_mine(self, holder: dict | None) -> bool:
-        return holder is not None and holder.get("pid") == self.owner["pid"] and holder.get("host") == self.owner["host"]
+        return (
+            holder is not None and holder.get("pid") == self.owner["pid"] and holder.get("host") == self.owner["host"]
+        )
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -104,19 +114,24 @@ class RunLock:
                     return
                 self.owner["heartbeat"] = time.time()
                 write_bytes_atomic(self.uri, json.dumps(self.owner).encode())
-            except Exception as err:  # noqa: BLE001 — a missed beat is retried; expiry is minutes away
+            except Exception as err:
                 logger.warning("could not refresh the run lock %s: %s", self.uri, err)
 
 
 def _locked_message(uri: str, holder: dict, state: str) -> str:
     run_dir = uri.rsplit("/", 1)[0]
     beat = holder.get("heartbeat", holder.get("since", 0))
-    advice = ("wait for it to finish or stop it" if state == "alive" else
-              f"if that run is no longer running, clear the lock with `batchrl unlock {run_dir}` (it also expires "
-              f"{EXPIRES_AFTER_S:.0f} s after its last heartbeat)")
-    return (f"run directory is locked by pid {holder.get('pid')} on {holder.get('host')} since "
-            f"{time.ctime(holder.get('since', 0))}, last heartbeat {time.time() - beat:.0f} s ago ({state}): "
-            f"{advice}, then run again")
+    advice = (
+        "wait for it to finish or stop it"
+        if state == "alive"
+        else f"if that run is no longer running, clear the lock with `batchrl unlock {run_dir}` (it also expires "
+        f"{EXPIRES_AFTER_S:.0f} s after its last heartbeat)"
+    )
+    return (
+        f"run directory is locked by pid {holder.get('pid')} on {holder.get('host')} since "
+        f"{time.ctime(holder.get('since', 0))}, last heartbeat {time.time() - beat:.0f} s ago ({state}): "
+        f"{advice}, then run again"
+    )
 
 
 def lock_holder(uri: str) -> dict | None:

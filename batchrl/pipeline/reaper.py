@@ -27,7 +27,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Iterator, TextIO
+from collections.abc import Iterator
+from typing import TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,19 @@ def reaping_orphans() -> Iterator[None]:
         return
     # By path and isolated (-I): it imports only the standard library, whatever the environment. No stderr: it
     # would keep a reader of the driver's stderr waiting after the driver exits.
-    watchdog = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    watchdog = subprocess.Popen(
+        [sys.executable, "-I", os.path.abspath(__file__)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     # Wait until it has listed the processes already there: what starts after that is the run's.
     ready, _, _ = select.select([watchdog.stdout], [], [], READY_TIMEOUT_S)
     if not ready or not watchdog.stdout.read(1):
-        logger.warning("the watchdog that stops this run's processes if the driver is killed did not start; "
-                       "a killed driver may leave Ray's agents and update ranks running")
+        logger.warning(
+            "the watchdog that stops this run's processes if the driver is killed did not start; "
+            "a killed driver may leave Ray's agents and update ranks running"
+        )
     watchdog.stdout.close()
     try:
         yield

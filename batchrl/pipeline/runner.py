@@ -28,12 +28,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import yaml
 
 from batchrl.config import ConfigError, PipelineConfig
+from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.lineage import (
     Lineage,
     files_to_ingest,
@@ -42,18 +43,8 @@ from batchrl.pipeline.lineage import (
     seen_fingerprint,
     write_lineage,
 )
-from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.lock import RunLock
 from batchrl.pipeline.reaper import reaping_orphans
-from batchrl.storage.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    content_digest,
-    damaged_parts,
-    fingerprint,
-    read_manifest,
-    write_manifest,
-)
 from batchrl.pipeline.stage import (
     POLICY,
     STAGES,
@@ -67,6 +58,15 @@ from batchrl.pipeline.stage import (
     table_iteration,
 )
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
+from batchrl.storage.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    content_digest,
+    damaged_parts,
+    fingerprint,
+    read_manifest,
+    write_manifest,
+)
 from batchrl.storage.sources import check_s3_credentials
 from batchrl.tracking import Trackers, check_tracking, tracking_session
 
@@ -112,9 +112,15 @@ class RunSummary:
         return self.reports.get("evaluations", [])
 
 
-def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Lineage | None = None,
-               from_stage: str | None = None, from_iteration: int | None = None,
-               verify_checksums: bool = False) -> list[PlannedStage]:
+def build_plan(
+    cfg: PipelineConfig,
+    *,
+    check_storage: bool = True,
+    lineage: Lineage | None = None,
+    from_stage: str | None = None,
+    from_iteration: int | None = None,
+    verify_checksums: bool = False,
+) -> list[PlannedStage]:
     """Every stage of the run in order, with fingerprints and (when check_storage) completion status."""
     if check_storage:
         check_s3_credentials(cfg)  # a one-line ConfigError, not botocore's traceback on the first manifest read
@@ -138,10 +144,15 @@ def build_plan(cfg: PipelineConfig, *, check_storage: bool = True, lineage: Line
             config = dict(stage.fingerprint_config(cfg), iteration=iteration)
             if stage.reads_train_files and lineage.skips_seen_files(cfg):
                 config["skip_seen_files"] = seen_fingerprint(lineage)
-            step = PlannedStage(name=name, iteration=iteration, output_dir=layout.table_dir(stage.table, iteration),
-                                fingerprint=fingerprint(config, *upstream),
-                                input_dirs={t: table_dirs[t] for t in stage.inputs if t != POLICY},
-                                policy_in=policy_in, sharded=is_sharded(stage))
+            step = PlannedStage(
+                name=name,
+                iteration=iteration,
+                output_dir=layout.table_dir(stage.table, iteration),
+                fingerprint=fingerprint(config, *upstream),
+                input_dirs={t: table_dirs[t] for t in stage.inputs if t != POLICY},
+                policy_in=policy_in,
+                sharded=is_sharded(stage),
+            )
             table_dirs[stage.table], table_fps[stage.table] = step.output_dir, step.fingerprint
             plan.append(step)
         if iteration is not None and POLICY in table_dirs:
@@ -194,8 +205,9 @@ def _check_recorded_inputs(step: PlannedStage, by_dir: dict[str, PlannedStage], 
             return
 
 
-def current_input_digest(step: PlannedStage, table: str, by_dir: dict[str, PlannedStage],
-                         lineage: Lineage) -> str | None:
+def current_input_digest(
+    step: PlannedStage, table: str, by_dir: dict[str, PlannedStage], lineage: Lineage
+) -> str | None:
     """The content digest of ``step``'s input ``table`` as committed now (None: not committed). The initial policy
     (model.path or a warm start) is not a table of this run: its lineage fingerprint stands for its content."""
     source = step.policy_in if table == POLICY else step.input_dirs.get(table)
@@ -217,12 +229,16 @@ def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int |
     where = planned_iterations(STAGES[from_stage](), cfg)
     if not where:
         section = STAGES[from_stage].config_section
-        raise ConfigError(f"--from-stage {from_stage}: this config never runs it"
-                          + (f" (add an {section}: section)" if section else ""))
+        raise ConfigError(
+            f"--from-stage {from_stage}: this config never runs it"
+            + (f" (add an {section}: section)" if section else "")
+        )
     if from_iteration is not None and from_iteration not in where:
         listed = ", ".join("before training" if i is None else str(i) for i in where)
-        raise ConfigError(f"--from-stage {from_stage} --iteration {from_iteration}: it runs only at iterations "
-                          f"{listed}; pick one of those")
+        raise ConfigError(
+            f"--from-stage {from_stage} --iteration {from_iteration}: it runs only at iterations "
+            f"{listed}; pick one of those"
+        )
 
 
 def _force_from(plan: list[PlannedStage], from_stage: str, from_iteration: int | None) -> None:
@@ -230,8 +246,11 @@ def _force_from(plan: list[PlannedStage], from_stage: str, from_iteration: int |
 
     A stage whose table nothing reads (evaluate) forces only its own later runs: re-evaluating never retrains.
     """
-    start = next(i for i, s in enumerate(plan) if s.name == from_stage
-                 and (from_iteration is None or s.iteration == from_iteration))
+    start = next(
+        i
+        for i, s in enumerate(plan)
+        if s.name == from_stage and (from_iteration is None or s.iteration == from_iteration)
+    )
     leaf = not consumers(STAGES[from_stage].table)
     for step in plan[start:]:
         if step.status != "pending" and (not leaf or step.name == from_stage):
@@ -259,16 +278,27 @@ def _read_started(table_dir: str) -> dict:
 class Runner:
     """Runs a plan; ``run()`` reads like the pipeline diagram."""
 
-    def __init__(self, cfg: PipelineConfig, *, from_stage: str | None = None, from_iteration: int | None = None,
-                 verify_checksums: bool = False):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        from_stage: str | None = None,
+        from_iteration: int | None = None,
+        verify_checksums: bool = False,
+    ):
         self.cfg = cfg
         self.layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
         check_s3_credentials(cfg)  # before resolve_lineage's first object-store request
         if from_stage is not None:
             check_from_stage(cfg, from_stage, from_iteration)
         self.lineage = resolve_lineage(cfg)
-        self.steps = build_plan(cfg, lineage=self.lineage, from_stage=from_stage, from_iteration=from_iteration,
-                                verify_checksums=verify_checksums)
+        self.steps = build_plan(
+            cfg,
+            lineage=self.lineage,
+            from_stage=from_stage,
+            from_iteration=from_iteration,
+            verify_checksums=verify_checksums,
+        )
         self.plan = {(s.name, s.iteration): s for s in self.steps}
         self.by_dir = {s.output_dir: s for s in self.steps}
         self.stages: dict[str, Stage] = {name: STAGES[name]() for name in stage_order()}
@@ -280,9 +310,15 @@ class Runner:
         self.check_inputs()  # config errors surface here, before the run directory is touched
         with RunLock(self.layout.lock), reaping_orphans():  # nothing the run starts outlives the driver
             self._write_run_yaml()  # first: `batchrl status` reads it, even of a run killed while starting
-            with tracking_session(self.cfg.tracking, run_dir=self.layout.run_dir, run_id=self.cfg.run_id,
-                                  config_dict=self.cfg.model_dump(mode="json")) as self.trackers, \
-                    _ray_session(self, needed=any(s.status != "done" for s in self.plan.values())):
+            with (
+                tracking_session(
+                    self.cfg.tracking,
+                    run_dir=self.layout.run_dir,
+                    run_id=self.cfg.run_id,
+                    config_dict=self.cfg.model_dump(mode="json"),
+                ) as self.trackers,
+                _ray_session(self, needed=any(s.status != "done" for s in self.plan.values())),
+            ):
                 try:
                     self._run_stages()
                 finally:
@@ -292,8 +328,8 @@ class Runner:
         return self.summary
 
     def _run_stages(self) -> None:
-        """The run order is the stages' (see batchrl/stages/__init__.py): once-per-run stages, then those planned
-        before iteration 0 (evaluating the initial policy), then each iteration's stages in turn."""
+        """The stages in their run order (`stage_order`: from what each reads): once-per-run stages, then those
+        planned before iteration 0 (evaluating the initial policy), then each iteration's stages in turn."""
         self.check_cluster_paths()
         self.check_actor_needs()
         self._clear_forced()
@@ -326,16 +362,36 @@ class Runner:
             logger.warning("%s: made from an input that has since been redone or replaced; redoing it", step.label)
             _remove(step.output_dir)
         self._prepare_output_dir(step, stage)
-        ctx = StageContext(cfg=cfg, layout=self.layout, iteration=iteration, output_dir=step.output_dir,
-                           fingerprint=step.fingerprint, inputs=self._input_manifests(stage, iteration),
-                           input_dirs=step.input_dirs, policy_in=step.policy_in, embedded_ray=self.embedded_ray)
+        ctx = StageContext(
+            cfg=cfg,
+            layout=self.layout,
+            iteration=iteration,
+            output_dir=step.output_dir,
+            fingerprint=step.fingerprint,
+            inputs=self._input_manifests(stage, iteration),
+            input_dirs=step.input_dirs,
+            policy_in=step.policy_in,
+            embedded_ray=self.embedded_ray,
+        )
         logger.info("%s: running%s", step.label, f" (redoing damaged {damaged_names(step)})" if damaged else "")
         started = time.time()
         output = stage.run(ctx)
-        manifest = Manifest(stage=name, table=stage.table, iteration=iteration, fingerprint=step.fingerprint,
-                            parts=output.parts, schema=stage.schema or "", started_at=started, finished_at=time.time(),
-                            counts=output.counts, stats=output.stats, extra_parts=output.extra_parts, sources=sources,
-                            inputs=self._input_digests(step, stage), trainer_state=output.trainer_state)
+        manifest = Manifest(
+            stage=name,
+            table=stage.table,
+            iteration=iteration,
+            fingerprint=step.fingerprint,
+            parts=output.parts,
+            schema=stage.schema or "",
+            started_at=started,
+            finished_at=time.time(),
+            counts=output.counts,
+            stats=output.stats,
+            extra_parts=output.extra_parts,
+            sources=sources,
+            inputs=self._input_digests(step, stage),
+            trainer_state=output.trainer_state,
+        )
         self._invalidate_readers(step, manifest, previous=damaged)
         write_manifest(step.output_dir, manifest)
         step.status, step.manifest, step.damaged = "done", manifest, []
@@ -348,13 +404,17 @@ class Runner:
         """Lists the stats of a stage that declares a summary_key in the run summary (the CLI prints them)."""
         if stage.summary_key is not None:
             self.summary.reports.setdefault(stage.summary_key, []).append(
-                {"iteration": step.iteration, "policy": step.policy_in, **step.manifest.stats})
+                {"iteration": step.iteration, "policy": step.policy_in, **step.manifest.stats}
+            )
         return step.manifest
 
     def _input_manifests(self, stage: Stage, iteration: int | None) -> dict[str, Manifest]:
         """The committed manifests of the tables ``stage`` reads at ``iteration``, by table name."""
-        return {table: self.plan[(producer(table), table_iteration(table, iteration))].manifest
-                for table in stage.inputs if table != POLICY}
+        return {
+            table: self.plan[(producer(table), table_iteration(table, iteration))].manifest
+            for table in stage.inputs
+            if table != POLICY
+        }
 
     def check_inputs(self) -> None:
         """Config-level checks of every stage that still has something to run (a done stage's inputs may be gone,
@@ -378,15 +438,19 @@ class Runner:
         if num_nodes <= 1:
             return
         named_reads = [read for stage in self.stages.values() for read in stage.read_paths(self.cfg)]
-        reads = {uri.removeprefix("file://"): name for name, uri in named_reads
-                 if is_local(uri) and os.path.exists(uri.removeprefix("file://"))}
+        reads = {
+            uri.removeprefix("file://"): name
+            for name, uri in named_reads
+            if is_local(uri) and os.path.exists(uri.removeprefix("file://"))
+        }
         writes = {self.layout.run_dir.removeprefix("file://"): "run.root"} if is_local(self.layout.run_dir) else {}
         unshared = unshared_paths(writes, reads)
         if unshared:
             raise ConfigError(
                 f"the run is connected to a Ray cluster of {num_nodes} nodes, but {describe(unshared, writes | reads)}"
                 ": actors on those nodes would read or write another directory than the driver. Put these on object "
-                "storage (s3://...) or on a filesystem mounted at the same path on every node")
+                "storage (s3://...) or on a filesystem mounted at the same path on every node"
+            )
 
     def preflight(self, tables: dict[str, Manifest]) -> None:
         """Each stage's checks against the once-per-run tables, before any iteration runs."""
@@ -406,11 +470,15 @@ class Runner:
             if all(step.status == "done" for step in self.steps if step.name == name):
                 continue
             for need in stage.actor_needs(self.cfg):
-                for kind, amount, field_name in (("CPU", need.cpus, need.cpus_field), ("GPU", need.gpus, need.gpus_field)):
+                for kind, amount, field_name in (
+                    ("CPU", need.cpus, need.cpus_field),
+                    ("GPU", need.gpus, need.gpus_field),
+                ):
                     if amount > total.get(kind, 0):
                         raise ConfigError(
                             f"{field_name}={amount:g}: one {name} actor asks for {amount:g} {kind}, but the Ray "
-                            f"cluster has {total.get(kind, 0):g} in all; lower {field_name} or add {kind}s to it")
+                            f"cluster has {total.get(kind, 0):g} in all; lower {field_name} or add {kind}s to it"
+                        )
 
     def record_iteration(self, iteration: int) -> None:
         metrics = iteration_metrics(self.plan, self.stages, iteration)
@@ -428,11 +496,18 @@ class Runner:
             self.lineage.no_new_files = not files
             write_lineage(self.layout.run_dir, self.lineage)
         if skipped:
-            logger.info("ingest: %d input file(s) already ingested by %s and its predecessors skipped, %d new",
-                        skipped, self.lineage.init_from, len(files))
+            logger.info(
+                "ingest: %d input file(s) already ingested by %s and its predecessors skipped, %d new",
+                skipped,
+                self.lineage.init_from,
+                len(files),
+            )
         if not files:
-            logger.warning("no input file that %s has not ingested: nothing to train on; this run is complete and "
-                           "the next one can warm-start from it", self.lineage.init_from)
+            logger.warning(
+                "no input file that %s has not ingested: nothing to train on; this run is complete and "
+                "the next one can warm-start from it",
+                self.lineage.init_from,
+            )
             self.summary.no_new_files = True
             return None, []
         data = self.cfg.data.model_copy(update={"train_files": [f["uri"] for f in files]})
@@ -460,19 +535,26 @@ class Runner:
         manifest with the same content; one redone from nothing cannot tell, so its readers are redone too."""
         digest = content_digest(manifest)
         unchanged = previous is not None and content_digest(previous) == digest
-        stale = [step for step, table in self._readers(redone)
-                 if not _made_from(step, table, digest=digest, unchanged=unchanged)]
+        stale = [
+            step
+            for step, table in self._readers(redone)
+            if not _made_from(step, table, digest=digest, unchanged=unchanged)
+        ]
         if stale:
-            logger.warning("%s: its output is not what %s %s made from; %s redone", redone.label,
-                           ", ".join(s.label for s in stale), "was" if len(stale) == 1 else "were",
-                           "it is" if len(stale) == 1 else "they are")
+            logger.warning(
+                "%s: its output is not what %s %s made from; %s redone",
+                redone.label,
+                ", ".join(s.label for s in stale),
+                "was" if len(stale) == 1 else "were",
+                "it is" if len(stale) == 1 else "they are",
+            )
         for step in reversed(stale):
             _remove(step.output_dir)
             step.status, step.manifest, step.damaged = "pending", None, []
 
     def _readers(self, made: PlannedStage) -> list[tuple[PlannedStage, str]]:
         """(later stage, the input name under which it reads ``made``'s table), in plan order."""
-        later = self.steps[self.steps.index(made) + 1:]
+        later = self.steps[self.steps.index(made) + 1 :]
         readers = []
         for step in later:
             reads_policy = POLICY in self.stages[step.name].inputs and step.policy_in == made.output_dir
@@ -505,13 +587,22 @@ class Runner:
             keep |= {p.name for p in expected} - set(step.damaged)
         strays = [n for n in names if n not in keep]
         if strays:
-            logger.info("%s: removing %d file(s) to redo or unknown: %s", step.label, len(strays),
-                        ", ".join(sorted(strays)[:5]))
+            logger.info(
+                "%s: removing %d file(s) to redo or unknown: %s", step.label, len(strays), ", ".join(sorted(strays)[:5])
+            )
             for name in strays:
                 fs.rm(f"{path.rstrip('/')}/{name}", recursive=True)
-        write_bytes_atomic(join(step.output_dir, STARTED_MARKER), json.dumps(
-            {"fingerprint": step.fingerprint, "pid": os.getpid(), "host": socket.gethostname(),
-             "started_at": time.time()}).encode())
+        write_bytes_atomic(
+            join(step.output_dir, STARTED_MARKER),
+            json.dumps(
+                {
+                    "fingerprint": step.fingerprint,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "started_at": time.time(),
+                }
+            ).encode(),
+        )
 
 
 def damaged_names(step: PlannedStage) -> str:
@@ -537,18 +628,23 @@ def _remove(uri: str) -> None:
     fs.invalidate_cache(path)
 
 
-def iteration_metrics(plan: dict[tuple[str, int | None], PlannedStage], stages: dict[str, Stage],
-                      iteration: int) -> dict:
+def iteration_metrics(
+    plan: dict[tuple[str, int | None], PlannedStage], stages: dict[str, Stage], iteration: int
+) -> dict:
     """verl-style metric names for one iteration, from the manifests of the stages that ran in it.
 
     Each stage adds its stats (and any metric of its own, `Stage.metrics`) and its duration as
     timing_s/<timing_name>; timing_s/step sums the stages that are part of a training step. A stage that ran
     before iteration 0 (the initial policy's evaluation) is reported with iteration 0 under initial/."""
     metrics: dict = {"iteration": iteration}
-    ran = [(stage, plan[(name, iteration)].manifest) for name, stage in stages.items()
-           if (name, iteration) in plan and plan[(name, iteration)].manifest is not None]
-    timings = {stage.timing_name: manifest.finished_at - manifest.started_at
-               for stage, manifest in ran if stage.timing_name}
+    ran = [
+        (stage, plan[(name, iteration)].manifest)
+        for name, stage in stages.items()
+        if (name, iteration) in plan and plan[(name, iteration)].manifest is not None
+    ]
+    timings = {
+        stage.timing_name: manifest.finished_at - manifest.started_at for stage, manifest in ran if stage.timing_name
+    }
     timings["step"] = sum(timings[stage.timing_name] for stage, _ in ran if stage.timing_name and stage.in_step_time)
     for stage, manifest in ran:
         metrics.update(stage.metrics(manifest, timings=timings))
@@ -576,8 +672,12 @@ def _ray_session(runner: Runner, *, needed: bool = True) -> Iterator[None]:
             if address:
                 ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)  # levels: cli.py
             else:
-                ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                         configure_logging=False)
+                ray.init(
+                    num_cpus=cfg.ray.num_cpus,
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                    configure_logging=False,
+                )
         runner.embedded_ray = not address
         DataContext.get_current().enable_progress_bars = False
         yield

@@ -20,17 +20,18 @@ import io
 import json
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrl.errors import DataError
+from batchrl.storage import join, read_parquet, resolve, write_parquet_atomic
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import conform, load_schema
 from batchrl.tracking.progress import progress
-from batchrl.errors import DataError
-from batchrl.storage import join, read_parquet, resolve, write_parquet_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def runs_in_driver(num_jobs: int, *, num_gpus: float, embedded_ray: bool) -> boo
     crashing reward cannot take the driver down. Several shards, GPUs or a cluster keep the actor pool.
     """
     return embedded_ray and num_jobs == 1 and not num_gpus
+
 
 SHARD_MAX_RETRIES = 3  # retries of a shard whose actor died while processing it
 
@@ -71,7 +73,9 @@ class ShardWorker:
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         results: dict[str, list] = {"name": [], "rows": [], "sha256": [], "num_bytes": [], "counts_json": []}
         expected = batch.get("input_sha256", [None] * len(batch["name"]))
-        for input_uri, output_uri, name, sha256 in zip(batch["input_uri"], batch["output_uri"], batch["name"], expected):
+        for input_uri, output_uri, name, sha256 in zip(
+            batch["input_uri"], batch["output_uri"], batch["name"], expected
+        ):
             table, counts = self.process(read_verified_parquet(str(input_uri), sha256=sha256))
             table = conform(table, self.schema)
             num_bytes, digest = write_parquet_atomic(table, str(output_uri))
@@ -93,8 +97,10 @@ def read_verified_parquet(uri: str, *, sha256: str | None) -> pa.Table:
     except FileNotFoundError:
         raise DataError(f"{uri} is listed in its manifest but missing: run again to redo it") from None
     if hashlib.sha256(data).hexdigest() != sha256:
-        raise DataError(f"{uri} does not match the sha256 in its manifest (changed after it was written): run "
-                        f"again with --verify to redo it and everything made from it")
+        raise DataError(
+            f"{uri} does not match the sha256 in its manifest (changed after it was written): run "
+            f"again with --verify to redo it and everything made from it"
+        )
     return pq.read_table(io.BytesIO(data))
 
 
@@ -115,7 +121,7 @@ def kept_part(uri: str, *, schema: str, input_uri: str) -> tuple[PartInfo, pa.Ta
     reason = None
     try:
         table = pq.read_table(io.BytesIO(data))
-    except Exception as err:  # noqa: BLE001 — a torn or foreign file is redone, whatever the reason
+    except Exception as err:
         table, reason = None, f"unreadable ({err})"
     if table is not None:
         reason = _not_this_stages_output(table, schema=schema, input_uri=input_uri)
@@ -123,8 +129,9 @@ def kept_part(uri: str, *, schema: str, input_uri: str) -> tuple[PartInfo, pa.Ta
         logger.warning("part %s is not this stage's output: %s; removing it and redoing its shard", uri, reason)
         fs.rm(path)
         return None
-    info = PartInfo(name=path.rsplit("/", 1)[-1], rows=table.num_rows, sha256=hashlib.sha256(data).hexdigest(),
-                    num_bytes=len(data))
+    info = PartInfo(
+        name=path.rsplit("/", 1)[-1], rows=table.num_rows, sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data)
+    )
     return info, table
 
 
@@ -134,8 +141,9 @@ def _not_this_stages_output(table: pa.Table, *, schema: str, input_uri: str) -> 
     got = [(f.name, f.type) for f in table.schema]
     if got != [(f.name, f.type) for f in declared]:
         missing = [n for n in declared.names if n not in table.column_names]
-        return (f"its columns differ from data_schemas/{schema}.json"
-                + (f" (missing {missing[:5]})" if missing else " (other columns or types)"))
+        return f"its columns differ from data_schemas/{schema}.json" + (
+            f" (missing {missing[:5]})" if missing else " (other columns or types)"
+        )
     if "prompt_id" in table.column_names:
         ids = set(table.column("prompt_id").to_pylist())
         input_ids = set(read_parquet(input_uri, columns=["prompt_id"]).column("prompt_id").to_pylist())
@@ -145,7 +153,11 @@ def _not_this_stages_output(table: pa.Table, *, schema: str, input_uri: str) -> 
 
 
 def pending_shards(
-    *, input_dir: str, input_manifest: Manifest, output_dir: str, schema: str,
+    *,
+    input_dir: str,
+    input_manifest: Manifest,
+    output_dir: str,
+    schema: str,
     summarize: Callable[[pa.Table], dict[str, float]],
 ) -> tuple[dict[str, PartInfo], dict[str, float], list[dict[str, str]]]:
     """Splits a stage's shards into those already written (resume: parts and their counts) and jobs to run."""
@@ -184,8 +196,13 @@ def run_sharded(
     ``embedded_ray``: the Ray in use is the runner's own on this machine (StageContext.embedded_ray)."""
     import ray.data
 
-    parts, counts, jobs = pending_shards(input_dir=input_dir, input_manifest=input_manifest, output_dir=output_dir,
-                                         schema=worker_cls.schema, summarize=summarize)
+    parts, counts, jobs = pending_shards(
+        input_dir=input_dir,
+        input_manifest=input_manifest,
+        output_dir=output_dir,
+        schema=worker_cls.schema,
+        summarize=summarize,
+    )
     results: list[dict[str, Any]] = []
     if jobs and runs_in_driver(len(jobs), num_gpus=num_gpus, embedded_ray=embedded_ray):
         results = process_in_driver(worker_cls, worker_kwargs, jobs)
@@ -215,8 +232,9 @@ def run_sharded(
     return ordered, counts
 
 
-def process_in_driver(worker_cls: type[ShardWorker], worker_kwargs: dict[str, Any],
-                      jobs: list[dict[str, str]]) -> list[dict[str, Any]]:
+def process_in_driver(
+    worker_cls: type[ShardWorker], worker_kwargs: dict[str, Any], jobs: list[dict[str, str]]
+) -> list[dict[str, Any]]:
     """Every job by one worker built in this process (then closed): one result row per job, as the actor pool
     returns them (name, rows, sha256, num_bytes, counts_json)."""
     worker = worker_cls(**worker_kwargs)

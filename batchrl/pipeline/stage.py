@@ -9,8 +9,8 @@ runner knows no stage by name. It plans, checks, resumes, reports and cleans up 
 declares here, so a new stage is one file with one ``@register``; and a reader sees every way a stage can
 take part in a run in one place. Ray Data LLM's processor stages declare their input keys the same way.
 
-The run order is the registration order (``batchrl/stages/__init__.py`` imports the built-in stages in
-pipeline order: that is where the order is configured). A stage may only read tables registered before it.
+The run order follows from the declarations (``stage_order``): a stage runs after the stages whose tables it
+reads, so it does not depend on the order modules happen to be imported in (an import sorter reorders them).
 """
 
 from __future__ import annotations
@@ -117,13 +117,12 @@ STAGES: dict[str, type[Stage]] = {}
 
 
 def register(cls: type[Stage]) -> type[Stage]:
-    """Adds a stage at the end of the run order; it may read only tables of stages registered before it."""
+    """Adds a stage to the registry; where it runs follows from what it reads (see `stage_order`)."""
     if cls.name in STAGES:
         raise AssertionError(f"stage {cls.name!r} registered twice")
-    produced = {other.table for other in STAGES.values()} | {POLICY}
-    unknown = [t for t in cls.inputs if t not in produced]
-    if unknown:
-        raise AssertionError(f"stage {cls.name!r} reads {unknown}, which no stage registered before it writes")
+    writer = next((name for name, other in STAGES.items() if other.table == cls.table), None)
+    if writer is not None:
+        raise AssertionError(f"stages {writer!r} and {cls.name!r} both write the table {cls.table!r}")
     STAGES[cls.name] = cls
     return cls
 
@@ -134,10 +133,30 @@ def unregister(name: str) -> None:
 
 
 def stage_order() -> list[str]:
-    """Stage names in run order (registration order)."""
+    """Stage names in run order, derived from what each reads: once-per-run stages first, and a stage after every
+    stage whose table it reads (with ``reads_new_policy``, after the stage that writes the policy too); among
+    stages free to run, registration order. So the order is the dataflow's, whatever order modules are imported in.
+    """
     if not STAGES:
         raise AssertionError("no stage is registered: import batchrl.stages (batchrl.api does) before planning")
-    return list(STAGES)
+    writers = {cls.table: name for name, cls in STAGES.items()}
+    needs = {name: _writers_read_by(cls, writers) for name, cls in STAGES.items()}
+    order: list[str] = []
+    while len(order) < len(STAGES):
+        ready = [name for name in STAGES if name not in order and needs[name] <= set(order)]
+        if not ready:
+            raise AssertionError(f"stages {sorted(set(STAGES) - set(order))} read each other's tables in a cycle")
+        order.append(min(ready, key=lambda name: STAGES[name].per_iteration))  # min: the first once-per-run one
+    return order
+
+
+def _writers_read_by(cls: type[Stage], writers: dict[str, str]) -> set[str]:
+    """The stages whose output ``cls`` reads within an iteration (the policy it starts from is the last one's)."""
+    tables = [t for t in cls.inputs if t != POLICY] + ([POLICY] if cls.reads_new_policy else [])
+    missing = [t for t in tables if t not in writers]
+    if missing:
+        raise AssertionError(f"stage {cls.name!r} reads {missing}, which no registered stage writes")
+    return {writers[t] for t in tables}
 
 
 def planned_iterations(stage: Stage, cfg: PipelineConfig) -> list[int | None]:
@@ -163,4 +182,3 @@ def is_sharded(stage: Stage | type[Stage]) -> bool:
     """Whether output part k is made from input part k alone (generate, score, advantage): such a stage
     resumes shard by shard. A table-writing stage that reads a table is sharded by this contract."""
     return stage.schema is not None and any(t != POLICY for t in stage.inputs)
-

@@ -53,11 +53,18 @@ DATA_SOURCE_DEFAULTS: dict[str, str] = {
     "HuggingFaceH4/MATH-500": "math",
 }
 
-ROW_FIELDS = ("prompt_id", "data_source", "prompt_text", "extra_info", "sample_idx", "response_length",
-              "finish_reason")
+ROW_FIELDS = ("prompt_id", "data_source", "prompt_text", "extra_info", "sample_idx", "response_length", "finish_reason")
 
-__all__ = ["DATA_SOURCE_DEFAULTS", "REWARDS", "ROW_FIELDS", "RewardFn", "check_reward_params", "default_term_name",
-           "resolve_reward", "reward_name_for"]
+__all__ = [
+    "DATA_SOURCE_DEFAULTS",
+    "REWARDS",
+    "ROW_FIELDS",
+    "RewardFn",
+    "check_reward_params",
+    "default_term_name",
+    "resolve_reward",
+    "reward_name_for",
+]
 
 
 def resolve_reward(name_or_ref: str) -> RewardFn:
@@ -104,17 +111,28 @@ def check_reward_params(reward_fn: RewardFn, params: Mapping[str, Any], *, name:
         parameters = inspect.signature(reward_fn).parameters
     except (TypeError, ValueError):
         return
-    named = {p.name for p in parameters.values()
-             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    named = {
+        p.name
+        for p in parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
     shadowing = sorted(set(params) & set(ROW_FIELDS))
     if shadowing:
         raise ValueError(f"reward {name!r}: params {shadowing} would replace row fields of the same name; rename them")
     unknown = sorted(set(params) - named)
     if unknown:
-        raise ValueError(f"reward {name!r} has no parameter(s) {unknown}; its parameters: "
-                         f"{sorted(named - {'response', 'ground_truth'})}")
-    missing = sorted(p.name for p in parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
-                     and p.default is inspect.Parameter.empty and p.name not in params and p.name not in ROW_FIELDS)
+        raise ValueError(
+            f"reward {name!r} has no parameter(s) {unknown}; its parameters: "
+            f"{sorted(named - {'response', 'ground_truth'})}"
+        )
+    missing = sorted(
+        p.name
+        for p in parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+        and p.default is inspect.Parameter.empty
+        and p.name not in params
+        and p.name not in ROW_FIELDS
+    )
     if missing:
         raise ValueError(f"reward {name!r} needs params {missing}; set them in the term's `params:`")
 
@@ -131,8 +149,11 @@ def _check_reward_signature(candidate: Any, *, name_or_ref: str) -> None:
     try:
         bound = signature.bind_partial("response", None)
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        unbound_positional = [p for p in signature.parameters.values() if p.name not in bound.arguments
-                              and p.default is inspect.Parameter.empty and p.kind in positional]
+        unbound_positional = [
+            p
+            for p in signature.parameters.values()
+            if p.name not in bound.arguments and p.default is inspect.Parameter.empty and p.kind in positional
+        ]
         accepts_response_and_ground_truth = not unbound_positional  # required keyword-only: row fields or params
     except TypeError:
         accepts_response_and_ground_truth = False

@@ -65,14 +65,16 @@ def last_boxed_content(text: str) -> str | None:
         return None
     content_start = openers[-1].end()
     end = _matching_brace_end(text, content_start)
-    return None if end is None else text[content_start:end - 1]
+    return None if end is None else text[content_start : end - 1]
 
 
 def math_ground_truth(ground_truth: str) -> str:
     """The answer of a ground truth given as a full solution (its last box) or as a bare answer."""
     if not isinstance(ground_truth, str):
-        raise ValueError(f"ground_truth must be a string, got {type(ground_truth).__name__} {ground_truth!r}; "
-                         "store answers as strings in the prompts table")
+        raise ValueError(
+            f"ground_truth must be a string, got {type(ground_truth).__name__} {ground_truth!r}; "
+            "store answers as strings in the prompts table"
+        )
     boxed = last_boxed_content(ground_truth)
     answer = (boxed if boxed is not None else ground_truth).strip()
     if len(answer) >= 2 and answer.startswith("$") and answer.endswith("$") and not answer.endswith("\\$"):

@@ -117,7 +117,7 @@ def call_reward(
             value = term.fn(response, ground_truth, **row, **term.params)
         else:
             value = term.fn(response, ground_truth, **row)
-    except Exception as err:  # noqa: BLE001 — a user reward's failure is recorded, not fatal
+    except Exception as err:
         return None, f"{term.name} raised {type(err).__name__}: {err}"[:MAX_ERROR_CHARS]
     if type(value) is float and math.isfinite(value):  # the common case, without the slower ABC check below
         return value, None
@@ -133,9 +133,7 @@ def sample_row(base: Mapping[str, Any], sample_idx: int, response_length: int, f
     return {**base, "sample_idx": sample_idx, "response_length": response_length, "finish_reason": finish_reason}
 
 
-def combine_components(
-    values_SK: np.ndarray, weights_K: np.ndarray, *, failure_reward: float
-) -> np.ndarray:
+def combine_components(values_SK: np.ndarray, weights_K: np.ndarray, *, failure_reward: float) -> np.ndarray:
     """Total reward per sample: the weighted sum of its components, or failure_reward if any of them is NaN.
 
     values_SK: [num_samples, num_terms] component values, NaN where a term failed. Returns [num_samples].

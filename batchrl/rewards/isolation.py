@@ -74,16 +74,20 @@ class IsolatedRewards:
         current one, and sends it once the child has returned every result (so neither end blocks on a full pipe
         while the other writes)."""
         results: list[SampleResult | None] = [None] * len(tasks)
-        chunks = [range(start, min(start + SAMPLES_PER_MESSAGE, len(tasks)))
-                  for start in range(0, len(tasks), SAMPLES_PER_MESSAGE)]
+        chunks = [
+            range(start, min(start + SAMPLES_PER_MESSAGE, len(tasks)))
+            for start in range(0, len(tasks), SAMPLES_PER_MESSAGE)
+        ]
         payload = _payload(tasks, chunks[0], {}) if chunks else b""
         for k, indices in enumerate(chunks):
-            payload = self._evaluate_chunk(tasks, indices, payload, results,
-                                           prepare_next=chunks[k + 1] if k + 1 < len(chunks) else None)
+            payload = self._evaluate_chunk(
+                tasks, indices, payload, results, prepare_next=chunks[k + 1] if k + 1 < len(chunks) else None
+            )
         return results
 
-    def _evaluate_chunk(self, tasks: Sequence[SampleTask], indices: range, payload: bytes, results: list, *,
-                        prepare_next: range | None) -> bytes:
+    def _evaluate_chunk(
+        self, tasks: Sequence[SampleTask], indices: range, payload: bytes, results: list, *, prepare_next: range | None
+    ) -> bytes:
         """Scores tasks[indices] (pickled in `payload`); returns the pickled next chunk, prepared while the child
         works. A timed-out or crashed call is recorded, its child replaced, and the unfinished samples resent."""
         skips: dict[int, dict[int, str]] = {}
@@ -141,9 +145,18 @@ class IsolatedRewards:
         child_read, parent_write = os.pipe()
         self._progress[:] = bytes(_PROGRESS.size)
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "batchrl.rewards.isolation", str(child_read), str(child_write),
-             str(self._progress_fd)],
-            pass_fds=(child_read, child_write, self._progress_fd), stdin=subprocess.DEVNULL, env=_child_env())
+            [
+                sys.executable,
+                "-m",
+                "batchrl.rewards.isolation",
+                str(child_read),
+                str(child_write),
+                str(self._progress_fd),
+            ],
+            pass_fds=(child_read, child_write, self._progress_fd),
+            stdin=subprocess.DEVNULL,
+            env=_child_env(),
+        )
         os.close(child_read)
         os.close(child_write)
         self._conn = _Duplex(parent_read, parent_write)
@@ -178,7 +191,7 @@ class IsolatedRewards:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 — interpreter shutdown: nothing left to clean
+        except Exception:
             pass
 
 
@@ -227,7 +240,7 @@ def _child_main(read_fd: int, write_fd: int, progress_fd: int) -> None:
     sys.path[:] = setup["sys_path"]
     try:
         rewards = RewardSet(**setup["reward_set_kwargs"])
-    except Exception as err:  # noqa: BLE001 — reported to the parent, which raises it
+    except Exception as err:
         conn.send(f"{type(err).__name__}: {err}")
         return
     gc.freeze()  # the imported modules never become garbage: keep them out of every later collection
@@ -267,7 +280,7 @@ def _score_batch(batch: list, *, rewards: Any, conn: _Duplex, progress: mmap.mma
 def _call(term: Any, response: str, ground_truth: str | None, row: Mapping[str, Any]) -> tuple:
     try:
         return call_reward(term, response, ground_truth, row)
-    except BaseException as err:  # noqa: BLE001 — SystemExit / KeyboardInterrupt raised by a reward
+    except BaseException as err:
         return None, f"{term.name} raised {type(err).__name__}: {err}"
 
 

@@ -49,10 +49,13 @@ class SequenceClassifierReward:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
         if self.model.config.num_labels != 1:
-            raise ValueError(f"reward model {path} has num_labels={self.model.config.num_labels}; a reward model "
-                             "must output one score (num_labels=1)")
+            raise ValueError(
+                f"reward model {path} has num_labels={self.model.config.num_labels}; a reward model "
+                "must output one score (num_labels=1)"
+            )
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).eval()
         self.pad_token_id = self._pad_token_id(path)
@@ -64,19 +67,20 @@ class SequenceClassifierReward:
         if pad_id is None:
             pad_id = self.tokenizer.pad_token_id
             if pad_id is None:
-                raise ValueError(f"reward model {path} and its tokenizer have no pad token; set pad_token_id in "
-                                 "its config.json")
+                raise ValueError(
+                    f"reward model {path} and its tokenizer have no pad token; set pad_token_id in its config.json"
+                )
             self.model.config.pad_token_id = pad_id
         return int(pad_id)
 
-    def texts(self, *, prompt_texts: Sequence[str], messages_json: Sequence[str],
-              responses: Sequence[str]) -> list[str]:
+    def texts(
+        self, *, prompt_texts: Sequence[str], messages_json: Sequence[str], responses: Sequence[str]
+    ) -> list[str]:
         """The text scored for each sample, per input_format."""
         if self.input_format == "concat":
             return [p + r for p, r in zip(prompt_texts, responses, strict=True)]
         return [
-            self.tokenizer.apply_chat_template(
-                [*json.loads(m), {"role": "assistant", "content": r}], tokenize=False)
+            self.tokenizer.apply_chat_template([*json.loads(m), {"role": "assistant", "content": r}], tokenize=False)
             for m, r in zip(messages_json, responses, strict=True)
         ]
 
@@ -88,12 +92,12 @@ class SequenceClassifierReward:
         num_truncated = 0
         if self.max_length:
             num_truncated = sum(len(ids) > self.max_length for ids in token_ids)
-            token_ids = [ids[-self.max_length:] for ids in token_ids]
+            token_ids = [ids[-self.max_length :] for ids in token_ids]
         order = np.argsort([len(ids) for ids in token_ids], kind="stable")
         scores_S = np.zeros(len(token_ids), dtype=np.float32)
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
+                batch = order[start : start + self.batch_size]
                 input_ids_BT, attention_mask_BT = self._pad([token_ids[i] for i in batch])
                 logits_B1 = self.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
                 scores_S[batch] = logits_B1[:, 0].float().cpu().numpy()
@@ -106,6 +110,6 @@ class SequenceClassifierReward:
         input_ids_BT = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
         attention_mask_BT = torch.zeros((len(sequences), length), dtype=torch.long)
         for row, ids in enumerate(sequences):
-            input_ids_BT[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask_BT[row, :len(ids)] = 1
+            input_ids_BT[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask_BT[row, : len(ids)] = 1
         return input_ids_BT.to(self.device), attention_mask_BT.to(self.device)

@@ -8,7 +8,8 @@ term's ``params`` (passed as keyword arguments), e.g.::
         - {reward: math}
         - {reward: overlong_penalty, params: {max_length: 1024, buffer_length: 256}}
 
-overlong_penalty is the reward-term form of ``batchrl.algorithms.advantages.overlong_penalty``, DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), as verl's ``overlong_buffer``:
+overlong_penalty is the reward-term form of ``batchrl.algorithms.advantages.overlong_penalty``, DAPO's soft
+overlong punishment (Yu et al. 2025, eq. 13), as verl's ``overlong_buffer``:
 no penalty up to ``max_length - buffer_length`` tokens, then a linear ramp down to ``-penalty_factor`` at
 ``max_length``. Departure from verl: the penalty is clamped at ``-penalty_factor`` beyond ``max_length`` (verl
 keeps ramping; the generation cap normally makes the two agree). Lengths are in tokens (``response_lengths``).
@@ -36,10 +37,16 @@ def overlong_penalty(
 ) -> float:
     """Registry reward "overlong_penalty": 0 when short enough, down to -penalty_factor at max_length tokens."""
     if not 0 < buffer_length <= max_length:
-        raise ValueError(f"overlong_penalty needs 0 < buffer_length ({buffer_length}) <= max_length ({max_length}); "
-                         "fix the term's params")
-    penalty = overlong_penalty_of_lengths(response_length, max_response_length=max_length,
-                                          overlong_buffer_len=buffer_length, penalty_factor=penalty_factor)
+        raise ValueError(
+            f"overlong_penalty needs 0 < buffer_length ({buffer_length}) <= max_length ({max_length}); "
+            "fix the term's params"
+        )
+    penalty = overlong_penalty_of_lengths(
+        response_length,
+        max_response_length=max_length,
+        overlong_buffer_len=buffer_length,
+        penalty_factor=penalty_factor,
+    )
     return float(penalty)
 
 

@@ -1,8 +1,8 @@
-"""The built-in stages, registered in run order on import: this import list is where the run order is configured.
+"""The built-in stages: importing this package registers them.
 
-The runner knows no stage by name (see batchrl/pipeline/stage.py): it runs the once-per-run stages (ingest), then
-each iteration's stages in this order. A stage added later (`@register` in its own module, imported after this
-package) runs after these, every iteration.
+The runner knows no stage by name (see batchrl/pipeline/stage.py). The run order follows from what each stage
+reads: ingest once; then, every iteration, generate (prompts), score (rollouts), advantage (scores), update
+(advantages), evaluate (the policy that update wrote).
 """
 
-from batchrl.stages import ingest, generate, score, advantage, update, evaluate  # noqa: F401  (order = run order)
+from batchrl.stages import advantage, evaluate, generate, ingest, score, update  # noqa: F401  (registers them)

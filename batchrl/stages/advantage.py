@@ -35,11 +35,11 @@ from batchrl.algorithms.advantages import (
 )
 from batchrl.config import PipelineConfig
 from batchrl.config.models import AdvantageConfig
-from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.errors import DataError
+from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import Stage, StageContext, StageOutput, register
-from batchrl.storage.manifest import Manifest
 from batchrl.storage import join, read_parquet
+from batchrl.storage.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,12 @@ def shard_groups(table: pa.Table, *, filter_groups: bool) -> ShardGroups:
     rewards_PG = np.asarray(scores, dtype=np.float64).reshape(table.num_rows, -1)
     lengths_PG = np.asarray(table.column("response_lengths").to_pylist(), dtype=np.float64).reshape(rewards_PG.shape)
     keep_P = dynamic_sampling_mask(rewards_PG) if filter_groups and table.num_rows else np.ones(table.num_rows, bool)
-    return ShardGroups(table=table.filter(pa.array(keep_P)), rewards_PG=rewards_PG[keep_P],
-                       lengths_PG=lengths_PG[keep_P], num_filtered=int((~keep_P).sum()))
+    return ShardGroups(
+        table=table.filter(pa.array(keep_P)),
+        rewards_PG=rewards_PG[keep_P],
+        lengths_PG=lengths_PG[keep_P],
+        num_filtered=int((~keep_P).sum()),
+    )
 
 
 class RewardKL:
@@ -92,12 +96,24 @@ class RewardKL:
         samples = samples_from_table(explode_groups(groups.table, np.zeros_like(groups.rewards_PG)))
         behaviour = samples.flat_rollout_logprobs()
         if len(behaviour) != int(samples.response_offsets_N1[-1]):
-            raise DataError("kl_in_reward needs the rollouts' per-token log-probs, and some are missing or of "
-                            "another length than their responses")
-        reference = response_logprobs(self.model, samples, pad_token_id=self.pad_token_id, max_tokens=self.max_tokens,
-                                      share_prompt=self.share_prompt)
-        kl_flat = kl_penalty(torch.from_numpy(behaviour)[None], torch.from_numpy(reference)[None],
-                             estimator=self.estimator)[0].double().numpy()
+            raise DataError(
+                "kl_in_reward needs the rollouts' per-token log-probs, and some are missing or of "
+                "another length than their responses"
+            )
+        reference = response_logprobs(
+            self.model,
+            samples,
+            pad_token_id=self.pad_token_id,
+            max_tokens=self.max_tokens,
+            share_prompt=self.share_prompt,
+        )
+        kl_flat = (
+            kl_penalty(torch.from_numpy(behaviour)[None], torch.from_numpy(reference)[None], estimator=self.estimator)[
+                0
+            ]
+            .double()
+            .numpy()
+        )
         # Per-sample sums; samples keep explode_groups' row-major [P, n] order, and empty responses sum to 0.
         summed_N = np.diff(np.concatenate([[0.0], np.cumsum(kl_flat)])[samples.response_offsets_N1])
         return summed_N.reshape(groups.rewards_PG.shape)
@@ -142,8 +158,9 @@ class AdvantageWorker(ShardWorker):
         groups, kl_PG = kl_penalized(groups, self.reward_kl, self.cfg.kl_in_reward_coef)
         advantages_PG = raw_advantages(groups, self.cfg)
         if self.moments is not None and advantages_PG.size:
-            advantages_PG = whiten(advantages_PG, eps=self.cfg.whiten_epsilon, weights=groups.lengths_PG,
-                                   moments=self.moments)
+            advantages_PG = whiten(
+                advantages_PG, eps=self.cfg.whiten_epsilon, weights=groups.lengths_PG, moments=self.moments
+            )
         out = explode_groups(groups.table, advantages_PG, reward_kl_PG=kl_PG)
         counts = summarize_advantages(out) | {"groups_filtered": groups.num_filtered}
         if kl_PG is not None:  # verl's actor/reward_kl_penalty: the mean over samples of the per-token mean KL
@@ -157,8 +174,12 @@ def reward_kl_for(cfg: AdvantageConfig, reference_path: str | None) -> RewardKL 
         return None
     if reference_path is None:
         raise AssertionError("advantage.kl_in_reward_coef > 0 needs the reference model path")
-    return RewardKL(reference_path, estimator=cfg.kl_in_reward_estimator, max_tokens=cfg.kl_in_reward_max_tokens,
-                    share_prompt=cfg.kl_in_reward_share_prompt)
+    return RewardKL(
+        reference_path,
+        estimator=cfg.kl_in_reward_estimator,
+        max_tokens=cfg.kl_in_reward_max_tokens,
+        share_prompt=cfg.kl_in_reward_share_prompt,
+    )
 
 
 def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: np.ndarray | None = None) -> pa.Table:
@@ -168,18 +189,27 @@ def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: 
     sample_idx_S = np.concatenate([np.arange(n) for n in num_samples_P]) if len(num_samples_P) else np.zeros(0)
     repeated = table.select(["prompt_id", "data_source", "prompt_token_ids", "policy_version"]).take(take_S)
     flattened = {
-        "response_token_ids": "response_token_ids", "response_logprobs": "response_logprobs",
-        "response_text": "response_texts", "finish_reason": "finish_reasons", "score": "scores",
+        "response_token_ids": "response_token_ids",
+        "response_logprobs": "response_logprobs",
+        "response_text": "response_texts",
+        "finish_reason": "finish_reasons",
+        "score": "scores",
         "score_error": "score_errors",
     }
     columns = {name: repeated.column(name) for name in repeated.column_names}
     columns["sample_idx"] = pa.array(sample_idx_S, pa.int32())
     for out_name, list_name in flattened.items():
-        columns[out_name] = pa.concat_arrays([c.flatten() for c in table.column(list_name).chunks]) \
-            if table.num_rows else pa.array([], table.schema.field(list_name).type.value_type)
+        columns[out_name] = (
+            pa.concat_arrays([c.flatten() for c in table.column(list_name).chunks])
+            if table.num_rows
+            else pa.array([], table.schema.field(list_name).type.value_type)
+        )
     columns["advantage"] = pa.array(advantages_PG.reshape(-1), pa.float32())
-    columns["reward_kl"] = pa.array(reward_kl_PG.reshape(-1), pa.float32()) if reward_kl_PG is not None \
+    columns["reward_kl"] = (
+        pa.array(reward_kl_PG.reshape(-1), pa.float32())
+        if reward_kl_PG is not None
         else pa.nulls(int(num_samples_P.sum()), pa.float32())
+    )
     return pa.table(columns)
 
 
@@ -187,9 +217,14 @@ def summarize_advantages(table: pa.Table) -> dict[str, float]:
     advantages = table.column("advantage").to_numpy()
     per_group = table.group_by("prompt_id").aggregate([("score", "min"), ("score", "max")])
     all_equal = np.asarray(per_group.column("score_min")) == np.asarray(per_group.column("score_max"))
-    return {"groups": per_group.num_rows, "groups_all_equal": int(all_equal.sum()),
-            "num_samples": len(advantages), "advantage_sum": float(advantages.sum()),
-            "advantage_max": float(advantages.max(initial=-np.inf)), "advantage_min": float(advantages.min(initial=np.inf))}
+    return {
+        "groups": per_group.num_rows,
+        "groups_all_equal": int(all_equal.sum()),
+        "num_samples": len(advantages),
+        "advantage_sum": float(advantages.sum()),
+        "advantage_max": float(advantages.max(initial=-np.inf)),
+        "advantage_min": float(advantages.min(initial=np.inf)),
+    }
 
 
 def global_moments(ctx: StageContext, cfg: AdvantageConfig) -> BatchMoments:
@@ -199,8 +234,7 @@ def global_moments(ctx: StageContext, cfg: AdvantageConfig) -> BatchMoments:
     columns = None if reward_kl is not None else ["scores", "response_lengths"]
     for part in ctx.inputs["scores"].parts:
         table = read_parquet(join(ctx.input_dirs["scores"], part.name), columns=columns)
-        groups, _ = kl_penalized(shard_groups(table, filter_groups=cfg.filter_groups), reward_kl,
-                                 cfg.kl_in_reward_coef)
+        groups, _ = kl_penalized(shard_groups(table, filter_groups=cfg.filter_groups), reward_kl, cfg.kl_in_reward_coef)
         total = total + batch_moments(raw_advantages(groups, cfg), weights=groups.lengths_PG)
     return total
 
@@ -218,8 +252,9 @@ class AdvantageStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         # share_prompt changes how the reference forward is batched, not what it computes (up to float rounding)
-        config: dict[str, Any] = {"advantage": cfg.advantage.model_dump(exclude_defaults=True,
-                                                                        exclude={"kl_in_reward_share_prompt"})}
+        config: dict[str, Any] = {
+            "advantage": cfg.advantage.model_dump(exclude_defaults=True, exclude={"kl_in_reward_share_prompt"})
+        }
         if cfg.advantage.kl_in_reward_coef > 0:
             config["reference"] = cfg.model.path
         return config
@@ -228,21 +263,38 @@ class AdvantageStage(Stage):
         a = ctx.cfg.advantage
         moments = dataclasses.asdict(global_moments(ctx, a)) if needs_batch_moments(a) else None
         parts, counts = run_sharded(
-            input_dir=ctx.input_dirs["scores"], input_manifest=ctx.inputs["scores"], output_dir=ctx.output_dir,
-            worker_cls=AdvantageWorker, worker_kwargs={"config": a.model_dump(), "moments": moments,
-                                                        "reference_path": ctx.cfg.model.path},
-            summarize=summarize_advantages, concurrency=max(1, ctx.cfg.ray.num_cpus or 2), num_cpus=1,
-            description="advantage", progress_bars=ctx.cfg.tracking.progress_bars, embedded_ray=ctx.embedded_ray)
+            input_dir=ctx.input_dirs["scores"],
+            input_manifest=ctx.inputs["scores"],
+            output_dir=ctx.output_dir,
+            worker_cls=AdvantageWorker,
+            worker_kwargs={"config": a.model_dump(), "moments": moments, "reference_path": ctx.cfg.model.path},
+            summarize=summarize_advantages,
+            concurrency=max(1, ctx.cfg.ray.num_cpus or 2),
+            num_cpus=1,
+            description="advantage",
+            progress_bars=ctx.cfg.tracking.progress_bars,
+            embedded_ray=ctx.embedded_ray,
+        )
         n = counts.get("num_samples", 0)
-        stats = {"critic/advantages/mean": counts["advantage_sum"] / n, "critic/advantages/max": counts["advantage_max"],
-                 "critic/advantages/min": counts["advantage_min"]} if n else {}
+        stats = (
+            {
+                "critic/advantages/mean": counts["advantage_sum"] / n,
+                "critic/advantages/max": counts["advantage_max"],
+                "critic/advantages/min": counts["advantage_min"],
+            }
+            if n
+            else {}
+        )
         if a.kl_in_reward_coef > 0 and n:
             stats["actor/reward_kl_penalty"] = counts["reward_kl_token_mean_sum"] / n
             stats["actor/reward_kl_penalty_coeff"] = a.kl_in_reward_coef
         if a.filter_groups:
             stats["critic/groups_filtered"] = counts.get("groups_filtered", 0)
-            logger.info("dynamic sampling dropped %d group(s) whose rewards were all equal",
-                        counts.get("groups_filtered", 0))
-        return StageOutput(parts=parts, counts={k: int(v) for k, v in counts.items()
-                                                if not k.startswith(("advantage", "reward_kl"))},
-                           stats=stats)
+            logger.info(
+                "dynamic sampling dropped %d group(s) whose rewards were all equal", counts.get("groups_filtered", 0)
+            )
+        return StageOutput(
+            parts=parts,
+            counts={k: int(v) for k, v in counts.items() if not k.startswith(("advantage", "reward_kl"))},
+            stats=stats,
+        )

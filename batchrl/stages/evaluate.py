@@ -30,13 +30,13 @@ import pyarrow as pa
 
 from batchrl.algorithms.evaluation import evaluation_metrics, majority_vote
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.storage.manifest import Manifest, PartInfo
-from batchrl.storage.schemas import load_schema
-from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
 from batchrl.errors import DataError
+from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_name_for
 from batchrl.storage import join, read_parquet, write_parquet_atomic
+from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage.schemas import load_schema
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +80,18 @@ class EvaluateStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         e = cfg.evaluate
-        return {"evaluate": None if e is None else e.model_dump(exclude={"before_training", "every"}),
-                "max_new_tokens": None if e is None else max_new_tokens(cfg),
-                "score": cfg.score.model_dump(), "tokenizer": cfg.model.tokenizer or cfg.model.path,
-                "max_prompt_tokens": cfg.data.max_prompt_tokens, "apply_chat_template": cfg.data.apply_chat_template,
-                "engine": cfg.generate.engine, "stop": list(cfg.generate.stop), "dtype": cfg.model.dtype,
-                "seed": cfg.run.seed}
+        return {
+            "evaluate": None if e is None else e.model_dump(exclude={"before_training", "every"}),
+            "max_new_tokens": None if e is None else max_new_tokens(cfg),
+            "score": cfg.score.model_dump(),
+            "tokenizer": cfg.model.tokenizer or cfg.model.path,
+            "max_prompt_tokens": cfg.data.max_prompt_tokens,
+            "apply_chat_template": cfg.data.apply_chat_template,
+            "engine": cfg.generate.engine,
+            "stop": list(cfg.generate.stop),
+            "dtype": cfg.model.dtype,
+            "seed": cfg.run.seed,
+        }
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         """Before anything is written: the held-out files are readable prompt tables, within the engine's budget."""
@@ -95,9 +101,11 @@ class EvaluateStage(Stage):
 
         e, g = cfg.evaluate, cfg.generate
         if e.max_new_tokens is not None and e.max_new_tokens > g.max_new_tokens and g.max_model_len is None:
-            raise ConfigError(f"evaluate.max_new_tokens={e.max_new_tokens} exceeds generate.max_new_tokens="
-                              f"{g.max_new_tokens}, which sizes the shared engines; lower it or raise "
-                              "generate.max_new_tokens")
+            raise ConfigError(
+                f"evaluate.max_new_tokens={e.max_new_tokens} exceeds generate.max_new_tokens="
+                f"{g.max_new_tokens}, which sizes the shared engines; lower it or raise "
+                "generate.max_new_tokens"
+            )
         try:
             IngestStage().check_inputs(eval_prompts_config(cfg))
         except (ConfigError, DataError) as err:  # the same error, named by this stage's field
@@ -110,14 +118,18 @@ class EvaluateStage(Stage):
         prompts_dir, prompts = ingest_eval_prompts(ctx)
         rollouts = generate_eval_rollouts(ctx, prompts_dir, prompts)
         scores_dir = join(ctx.output_dir, "_scores")
-        score_parts = score_eval_rollouts(cfg, join(ctx.output_dir, "_rollouts"), rollouts, scores_dir,
-                                          embedded_ray=ctx.embedded_ray)
+        score_parts = score_eval_rollouts(
+            cfg, join(ctx.output_dir, "_rollouts"), rollouts, scores_dir, embedded_ray=ctx.embedded_ray
+        )
         extract = answer_extractor(cfg)
         parts, tables = [], []
         for part in prompts.parts:
-            table = evaluation_table(_scored(scores_dir, "greedy", part.name, cfg),
-                                     _scored(scores_dir, "sampled", part.name, cfg), policy=ctx.policy_in,
-                                     extract_answer=extract)
+            table = evaluation_table(
+                _scored(scores_dir, "greedy", part.name, cfg),
+                _scored(scores_dir, "sampled", part.name, cfg),
+                policy=ctx.policy_in,
+                extract_answer=extract,
+            )
             num_bytes, digest = write_parquet_atomic(table, join(ctx.output_dir, part.name))
             parts.append(PartInfo(name=part.name, rows=table.num_rows, sha256=digest, num_bytes=num_bytes))
             tables.append(table)
@@ -125,8 +137,12 @@ class EvaluateStage(Stage):
         stats = evaluation_metrics_from_table(results, pass_threshold=cfg.evaluate.pass_threshold)
         logger.info("evaluated %s on %d held-out prompts: %s", ctx.policy_in, results.num_rows, headline(stats))
         extra = {"prompts": prompts.parts, "rollouts": rollouts.parts, "scores": score_parts}
-        return StageOutput(parts=parts, counts=_counts(results), stats=stats,
-                           extra_parts={k: [_prefixed(p, f"_{k}/") for p in v] for k, v in extra.items()})
+        return StageOutput(
+            parts=parts,
+            counts=_counts(results),
+            stats=stats,
+            extra_parts={k: [_prefixed(p, f"_{k}/") for p in v] for k, v in extra.items()},
+        )
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -134,8 +150,9 @@ class EvaluateStage(Stage):
 
 def eval_prompts_config(cfg: PipelineConfig) -> PipelineConfig:
     """The run's config with data.train_files replaced by the held-out files (what ingest reads for evaluation)."""
-    data = cfg.data.model_copy(update={"train_files": list(cfg.evaluate.files),
-                                       "max_prompts": cfg.evaluate.max_prompts})
+    data = cfg.data.model_copy(
+        update={"train_files": list(cfg.evaluate.files), "max_prompts": cfg.evaluate.max_prompts}
+    )
     return cfg.model_copy(update={"data": data})
 
 
@@ -144,9 +161,18 @@ def ingest_eval_prompts(ctx: StageContext) -> tuple[str, Manifest]:
     from batchrl.stages.ingest import IngestStage
 
     out_dir = join(ctx.output_dir, "_prompts")
-    output = IngestStage().run(StageContext(cfg=eval_prompts_config(ctx.cfg), layout=ctx.layout, iteration=None,
-                                            output_dir=out_dir, fingerprint=ctx.fingerprint, inputs={}, input_dirs={},
-                                            policy_in=ctx.policy_in))
+    output = IngestStage().run(
+        StageContext(
+            cfg=eval_prompts_config(ctx.cfg),
+            layout=ctx.layout,
+            iteration=None,
+            output_dir=out_dir,
+            fingerprint=ctx.fingerprint,
+            inputs={},
+            input_dirs={},
+            policy_in=ctx.policy_in,
+        )
+    )
     if output.counts.get("rejected"):
         logger.warning("evaluate: %d held-out prompt(s) rejected (see %s/_rejects)", output.counts["rejected"], out_dir)
     return out_dir, _manifest(output.parts, schema="prompts")
@@ -162,20 +188,30 @@ def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifes
 
     cfg, e = ctx.cfg, ctx.cfg.evaluate
     pool = _engine_pool(cfg)
-    modes = {"greedy": (1, {"temperature": 0.0, "top_p": 1.0}) if e.greedy else None,
-             "sampled": (e.num_samples, {"temperature": e.temperature, "top_p": e.top_p}) if e.num_samples else None}
+    modes = {
+        "greedy": (1, {"temperature": 0.0, "top_p": 1.0}) if e.greedy else None,
+        "sampled": (e.num_samples, {"temperature": e.temperature, "top_p": e.top_p}) if e.num_samples else None,
+    }
     parts = []
     for mode, setting in modes.items():
         if setting is None:
             continue
         num_samples, sampling = setting
-        settings = ShardSettings(policy=ctx.policy_in, num_samples_per_prompt=num_samples, run_seed=cfg.run.seed,
-                                 iteration=EVAL_SEED_ITERATION,
-                                 sampling=sampling | {"top_k": -1, "max_new_tokens": max_new_tokens(cfg),
-                                                      "stop": tuple(cfg.generate.stop)})
-        jobs = [{"input_uri": join(prompts_dir, p.name), "output_uri": join(ctx.output_dir, "_rollouts",
-                                                                            f"{mode}-{p.name}"),
-                 "name": f"{mode}-{p.name}"} for p in prompts.parts]
+        settings = ShardSettings(
+            policy=ctx.policy_in,
+            num_samples_per_prompt=num_samples,
+            run_seed=cfg.run.seed,
+            iteration=EVAL_SEED_ITERATION,
+            sampling=sampling | {"top_k": -1, "max_new_tokens": max_new_tokens(cfg), "stop": tuple(cfg.generate.stop)},
+        )
+        jobs = [
+            {
+                "input_uri": join(prompts_dir, p.name),
+                "output_uri": join(ctx.output_dir, "_rollouts", f"{mode}-{p.name}"),
+                "name": f"{mode}-{p.name}",
+            }
+            for p in prompts.parts
+        ]
         for row in pool.run(jobs, settings, progress_bars=False):
             parts.append(part_info(row))
     if cfg.generate.engine_lifetime == "stage":
@@ -192,12 +228,14 @@ def _engine_pool(cfg: PipelineConfig):
     from batchrl.stages.generate import EnginePool, engine_spec
 
     g = cfg.generate
-    return EnginePool.get(engine_spec(cfg), num_actors=1, build_actors=g.num_actors, num_cpus=g.cpus_per_actor,
-                          num_gpus=g.gpus_per_actor)
+    return EnginePool.get(
+        engine_spec(cfg), num_actors=1, build_actors=g.num_actors, num_cpus=g.cpus_per_actor, num_gpus=g.gpus_per_actor
+    )
 
 
-def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manifest, scores_dir: str, *,
-                        embedded_ray: bool = False) -> list[PartInfo]:
+def score_eval_rollouts(
+    cfg: PipelineConfig, rollouts_dir: str, rollouts: Manifest, scores_dir: str, *, embedded_ray: bool = False
+) -> list[PartInfo]:
     """Scores with the score stage's worker and config: in this process for rule rewards, on actors with a
     reward model (which may need a GPU).
 
@@ -209,14 +247,30 @@ def score_eval_rollouts(cfg: PipelineConfig, rollouts_dir: str, rollouts: Manife
 
     if cfg.score.reward_model is not None:
         rm = cfg.score.reward_model
-        parts, _ = run_sharded(input_dir=rollouts_dir, input_manifest=rollouts, output_dir=scores_dir,
-                               worker_cls=ScoreWorker, worker_kwargs=ScoreStage.reward_kwargs(cfg),
-                               summarize=lambda table: {}, concurrency=rm.num_actors, num_cpus=rm.cpus_per_actor,
-                               num_gpus=rm.gpus_per_actor, description="evaluate: score", progress_bars=False,
-                               embedded_ray=embedded_ray)
+        parts, _ = run_sharded(
+            input_dir=rollouts_dir,
+            input_manifest=rollouts,
+            output_dir=scores_dir,
+            worker_cls=ScoreWorker,
+            worker_kwargs=ScoreStage.reward_kwargs(cfg),
+            summarize=lambda table: {},
+            concurrency=rm.num_actors,
+            num_cpus=rm.cpus_per_actor,
+            num_gpus=rm.gpus_per_actor,
+            description="evaluate: score",
+            progress_bars=False,
+            embedded_ray=embedded_ray,
+        )
         return parts
-    jobs = [{"input_uri": join(rollouts_dir, p.name), "output_uri": join(scores_dir, p.name), "name": p.name,
-             "input_sha256": p.sha256} for p in rollouts.parts]
+    jobs = [
+        {
+            "input_uri": join(rollouts_dir, p.name),
+            "output_uri": join(scores_dir, p.name),
+            "name": p.name,
+            "input_sha256": p.sha256,
+        }
+        for p in rollouts.parts
+    ]
     return [part_info(row) for row in process_in_driver(ScoreWorker, ScoreStage.reward_kwargs(cfg), jobs)]
 
 
@@ -226,8 +280,16 @@ def _scored(scores_dir: str, mode: str, part_name: str, cfg: PipelineConfig) -> 
 
 
 def _manifest(parts: list[PartInfo], *, schema: str) -> Manifest:
-    return Manifest(stage="evaluate", table="", iteration=None, fingerprint="", parts=parts, schema=schema,
-                    started_at=0.0, finished_at=0.0)
+    return Manifest(
+        stage="evaluate",
+        table="",
+        iteration=None,
+        fingerprint="",
+        parts=parts,
+        schema=schema,
+        started_at=0.0,
+        finished_at=0.0,
+    )
 
 
 def _prefixed(part: PartInfo, prefix: str) -> PartInfo:
@@ -264,8 +326,9 @@ def answer_extractor(cfg: PipelineConfig) -> Callable[[str, str], str | None]:
 # ------------------------------------------------------------------------------------- results
 
 
-def evaluation_table(greedy: pa.Table | None, sampled: pa.Table | None, *, policy: str,
-                     extract_answer: Callable[[str, str], str | None]) -> pa.Table:
+def evaluation_table(
+    greedy: pa.Table | None, sampled: pa.Table | None, *, policy: str, extract_answer: Callable[[str, str], str | None]
+) -> pa.Table:
     """One row per prompt from the scored greedy and sampled rollouts of one prompt part (same rows, same order)."""
     base = greedy if greedy is not None else sampled
     columns = base.select(["prompt_id", "data_source", "prompt_text", "ground_truth"]).to_pydict()
@@ -283,9 +346,16 @@ def evaluation_table(greedy: pa.Table | None, sampled: pa.Table | None, *, polic
         for name in ("greedy_response", "greedy_score", "greedy_answer", "greedy_length"):
             out[name] = [None] * num_rows
         errors = [[None] for _ in range(num_rows)]
-    s = sampled.select(["response_texts", "scores", "response_lengths", "score_errors"]).to_pydict() if sampled \
-        is not None else {"response_texts": [[]] * num_rows, "scores": [[]] * num_rows,
-                          "response_lengths": [[]] * num_rows, "score_errors": [[]] * num_rows}
+    s = (
+        sampled.select(["response_texts", "scores", "response_lengths", "score_errors"]).to_pydict()
+        if sampled is not None
+        else {
+            "response_texts": [[]] * num_rows,
+            "scores": [[]] * num_rows,
+            "response_lengths": [[]] * num_rows,
+            "score_errors": [[]] * num_rows,
+        }
+    )
     out["sample_responses"], out["sample_scores"] = s["response_texts"], s["scores"]
     out["sample_lengths"] = s["response_lengths"]
     out["sample_answers"] = [[extract_answer(t, ds) for t in texts] for texts, ds in zip(s["response_texts"], sources)]
@@ -299,8 +369,18 @@ def evaluation_table(greedy: pa.Table | None, sampled: pa.Table | None, *, polic
 
 def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> dict[str, float]:
     """val-core / val-aux metrics of an evaluations table (all its rows)."""
-    d = table.select(["data_source", "greedy_score", "greedy_answer", "greedy_length", "sample_scores",
-                      "sample_answers", "sample_lengths", "majority_score"]).to_pydict()
+    d = table.select(
+        [
+            "data_source",
+            "greedy_score",
+            "greedy_answer",
+            "greedy_length",
+            "sample_scores",
+            "sample_answers",
+            "sample_lengths",
+            "majority_score",
+        ]
+    ).to_pydict()
     has_greedy = any(score is not None for score in d["greedy_score"])
     num_samples = len(d["sample_scores"][0]) if d["sample_scores"] else 0
 
@@ -314,10 +394,12 @@ def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> 
         greedy_length_P=floats(d["greedy_length"])[:, 0] if has_greedy else None,
         sample_scores_PK=floats(d["sample_scores"]) if num_samples else None,
         sample_answered_PK=np.asarray([[a is not None for a in row] for row in d["sample_answers"]])
-        if num_samples else None,
+        if num_samples
+        else None,
         sample_lengths_PK=floats(d["sample_lengths"]) if num_samples else None,
         majority_score_P=floats(d["majority_score"])[:, 0] if num_samples else None,
-        pass_threshold=pass_threshold)
+        pass_threshold=pass_threshold,
+    )
 
 
 def _counts(table: pa.Table) -> dict[str, int]:
@@ -337,9 +419,19 @@ def headline(stats: dict[str, float]) -> str:
 
 def compare(before: dict[str, float], after: dict[str, float]) -> list[str]:
     """Lines 'val-core/arith/reward/mean@1: 0.312 -> 0.625 (+31.3 points)' for the core metrics in both."""
-    return [f"{name}: {before[name]:.3f} -> {after[name]:.3f} ({100 * (after[name] - before[name]):+.1f} points)"
-            for name in sorted(after) if name.startswith("val-core/") and name in before]
+    return [
+        f"{name}: {before[name]:.3f} -> {after[name]:.3f} ({100 * (after[name] - before[name]):+.1f} points)"
+        for name in sorted(after)
+        if name.startswith("val-core/") and name in before
+    ]
 
 
-__all__ = ["EvaluateStage", "answer_extractor", "compare", "evaluated_iterations", "evaluation_metrics_from_table",
-           "evaluation_table", "headline"]
+__all__ = [
+    "EvaluateStage",
+    "answer_extractor",
+    "compare",
+    "evaluated_iterations",
+    "evaluation_metrics_from_table",
+    "evaluation_table",
+    "headline",
+]

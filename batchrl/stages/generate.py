@@ -29,8 +29,8 @@ import pyarrow as pa
 from batchrl.config import PipelineConfig
 from batchrl.pipeline.shards import ShardWorker, add_counts, part_info, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
-from batchrl.storage.manifest import Manifest
 from batchrl.storage import local_copy
+from batchrl.storage.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,13 @@ class GenerateWorker(ShardWorker):
 
         started = time.perf_counter()
         self.spec = spec
-        self.engine = make_engine(spec.engine, model_path=local_copy(spec.initial_policy), dtype=spec.dtype,
-                                  max_model_len=spec.max_model_len, engine_kwargs=dict(spec.engine_kwargs))
+        self.engine = make_engine(
+            spec.engine,
+            model_path=local_copy(spec.initial_policy),
+            dtype=spec.dtype,
+            max_model_len=spec.max_model_len,
+            engine_kwargs=dict(spec.engine_kwargs),
+        )
         self.policy = spec.initial_policy
         self.unreported_build_s = time.perf_counter() - started  # reported with the first shard
         logger.info("%s engine ready in %.1f s", self.engine.name, self.unreported_build_s)
@@ -111,11 +116,14 @@ class GenerateWorker(ShardWorker):
 
         s = self.settings
         prompt_ids = table.column("prompt_id").to_pylist()
-        seeds = [[sample_seed(s.run_seed, s.iteration, pid, i) for i in range(s.num_samples_per_prompt)]
-                 for pid in prompt_ids]
+        seeds = [
+            [sample_seed(s.run_seed, s.iteration, pid, i) for i in range(s.num_samples_per_prompt)]
+            for pid in prompt_ids
+        ]
         started = time.perf_counter()
-        groups = self.engine.generate(table.column("prompt_token_ids").to_pylist(), seeds=seeds,
-                                      sampling=SamplingSpec(**s.sampling))
+        groups = self.engine.generate(
+            table.column("prompt_token_ids").to_pylist(), seeds=seeds, sampling=SamplingSpec(**s.sampling)
+        )
         elapsed = time.perf_counter() - started
         out = table
         for name, values in {
@@ -146,7 +154,7 @@ def summarize_rollouts(table: pa.Table) -> dict[str, float]:
 class EnginePool:
     """Ray actors holding engines, kept for the whole Ray session and reused across iterations."""
 
-    _current: "EnginePool | None" = None
+    _current: EnginePool | None = None
 
     def __init__(self, spec: EngineSpec, *, num_actors: int, num_cpus: float, num_gpus: float):
         import ray
@@ -157,8 +165,9 @@ class EnginePool:
         self.actors = [actor_cls.options(**options).remote(spec) for _ in range(num_actors)]
 
     @classmethod
-    def get(cls, spec: EngineSpec, *, num_actors: int, num_cpus: float, num_gpus: float,
-            build_actors: int | None = None) -> "EnginePool":
+    def get(
+        cls, spec: EngineSpec, *, num_actors: int, num_cpus: float, num_gpus: float, build_actors: int | None = None
+    ) -> EnginePool:
         """The live pool when it holds the same engine in this Ray session with at least `num_actors` actors (a
         resumed iteration with fewer shards to do reuses the engines); else a new one of `build_actors`
         (default `num_actors`) actors, after shutting down a live one of this session."""
@@ -213,56 +222,93 @@ class GenerateStage(Stage):
     def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
         tokens = manifest.counts.get("response_tokens", 0)
         # verl's perf/throughput: tokens through the whole step per second (response tokens here; one host).
-        return {**manifest.stats, "perf/num_samples": manifest.counts.get("num_samples", 0),
-                "perf/throughput_gen_tokens_per_s": round(tokens / max(1e-9, timings["gen"]), 2),
-                "perf/throughput": round(tokens / max(1e-9, timings["step"]), 2)}
+        return {
+            **manifest.stats,
+            "perf/num_samples": manifest.counts.get("num_samples", 0),
+            "perf/throughput_gen_tokens_per_s": round(tokens / max(1e-9, timings["gen"]), 2),
+            "perf/throughput": round(tokens / max(1e-9, timings["step"]), 2),
+        }
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         placement = {"num_actors", "cpus_per_actor", "gpus_per_actor", "gpu_memory_utilization", "enforce_eager"}
-        return {"generate": cfg.generate.model_dump(exclude=placement, exclude_defaults=True), "seed": cfg.run.seed,
-                "dtype": cfg.model.dtype}
+        return {
+            "generate": cfg.generate.model_dump(exclude=placement, exclude_defaults=True),
+            "seed": cfg.run.seed,
+            "dtype": cfg.model.dtype,
+        }
 
     def run(self, ctx: StageContext) -> StageOutput:
         g = ctx.cfg.generate
-        parts, counts, jobs = pending_shards(input_dir=ctx.input_dirs["prompts"], input_manifest=ctx.inputs["prompts"],
-                                             output_dir=ctx.output_dir, schema=self.schema,
-                                             summarize=summarize_rollouts)
+        parts, counts, jobs = pending_shards(
+            input_dir=ctx.input_dirs["prompts"],
+            input_manifest=ctx.inputs["prompts"],
+            output_dir=ctx.output_dir,
+            schema=self.schema,
+            summarize=summarize_rollouts,
+        )
         timings: list[dict[str, float]] = []
         if jobs:
-            pool = EnginePool.get(engine_spec(ctx.cfg), num_actors=min(g.num_actors, len(jobs)),
-                                  num_cpus=g.cpus_per_actor, num_gpus=g.gpus_per_actor)
+            pool = EnginePool.get(
+                engine_spec(ctx.cfg),
+                num_actors=min(g.num_actors, len(jobs)),
+                num_cpus=g.cpus_per_actor,
+                num_gpus=g.gpus_per_actor,
+            )
             settings = ShardSettings(
-                policy=ctx.policy_in, num_samples_per_prompt=g.num_samples_per_prompt, run_seed=ctx.cfg.run.seed,
-                iteration=ctx.iteration, sampling={"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
-                                                   "max_new_tokens": g.max_new_tokens, "stop": tuple(g.stop)})
+                policy=ctx.policy_in,
+                num_samples_per_prompt=g.num_samples_per_prompt,
+                run_seed=ctx.cfg.run.seed,
+                iteration=ctx.iteration,
+                sampling={
+                    "temperature": g.temperature,
+                    "top_p": g.top_p,
+                    "top_k": g.top_k,
+                    "max_new_tokens": g.max_new_tokens,
+                    "stop": tuple(g.stop),
+                },
+            )
             for row in pool.run(jobs, settings, progress_bars=ctx.cfg.tracking.progress_bars):
                 parts[row["name"]] = part_info(row)
                 add_counts(counts, json.loads(row["counts_json"]))
                 timings.append(json.loads(row["timings_json"]))
             if g.engine_lifetime == "stage":
                 pool.shutdown()
-        return StageOutput(parts=[parts[p.name] for p in ctx.inputs["prompts"].parts],
-                           counts={k: int(v) for k, v in counts.items() if not k.endswith("_s")},
-                           stats=_stats(counts, timings))
+        return StageOutput(
+            parts=[parts[p.name] for p in ctx.inputs["prompts"].parts],
+            counts={k: int(v) for k, v in counts.items() if not k.endswith("_s")},
+            stats=_stats(counts, timings),
+        )
 
 
 def generation_actor_need(cfg: PipelineConfig) -> ActorNeed:
     g = cfg.generate
-    return ActorNeed(cpus=g.cpus_per_actor, gpus=g.gpus_per_actor, cpus_field="generate.cpus_per_actor",
-                     gpus_field="generate.gpus_per_actor")
+    return ActorNeed(
+        cpus=g.cpus_per_actor,
+        gpus=g.gpus_per_actor,
+        cpus_field="generate.cpus_per_actor",
+        gpus_field="generate.gpus_per_actor",
+    )
 
 
 def engine_spec(cfg: PipelineConfig) -> EngineSpec:
     g = cfg.generate
-    engine_kwargs = {"tensor_parallel_size": g.tensor_parallel_size, "enforce_eager": g.enforce_eager,
-                     "seed": cfg.run.seed, "trust_remote_code": cfg.model.trust_remote_code}
+    engine_kwargs = {
+        "tensor_parallel_size": g.tensor_parallel_size,
+        "enforce_eager": g.enforce_eager,
+        "seed": cfg.run.seed,
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
     if g.engine != "hf" and g.gpus_per_actor > 0:
         engine_kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
     if g.engine == "hf":
         engine_kwargs = {}
-    return EngineSpec(engine=g.engine, initial_policy=cfg.model.path, dtype=cfg.model.dtype,
-                      max_model_len=g.max_model_len or cfg.data.max_prompt_tokens + g.max_new_tokens,
-                      engine_kwargs=tuple(sorted(engine_kwargs.items())))
+    return EngineSpec(
+        engine=g.engine,
+        initial_policy=cfg.model.path,
+        dtype=cfg.model.dtype,
+        max_model_len=g.max_model_len or cfg.data.max_prompt_tokens + g.max_new_tokens,
+        engine_kwargs=tuple(sorted(engine_kwargs.items())),
+    )
 
 
 def _stats(counts: dict[str, float], timings: list[dict[str, float]]) -> dict[str, float]:
@@ -278,4 +324,3 @@ def _stats(counts: dict[str, float], timings: list[dict[str, float]]) -> dict[st
     stats["perf/engine_build_s"] = sum(t["engine_build_s"] for t in timings)
     stats["perf/weight_push_s"] = sum(t["weight_push_s"] for t in timings)
     return stats
-

@@ -26,8 +26,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.storage.manifest import PartInfo
-from batchrl.storage.schemas import load_schema
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import Stage, StageContext, StageOutput, register
 from batchrl.storage import (
@@ -40,6 +38,8 @@ from batchrl.storage import (
     write_parquet_atomic,
 )
 from batchrl.storage.layout import part_name
+from batchrl.storage.manifest import PartInfo
+from batchrl.storage.schemas import load_schema
 from batchrl.storage.sources import check_checkpoint_source
 
 logger = logging.getLogger(__name__)
@@ -101,13 +101,17 @@ class IngestStage(Stage):
             raise DataError(str(err)) from None
         tokenizer = load_tokenizer(cfg)
         if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"the tokenizer of {cfg.model.tokenizer or cfg.model.path} has no chat template; "
-                            f"set data.apply_chat_template: false to feed prompts as plain text")
+            raise DataError(
+                f"the tokenizer of {cfg.model.tokenizer or cfg.model.path} has no chat template; "
+                f"set data.apply_chat_template: false to feed prompts as plain text"
+            )
         rows, rejects, truncated, empty_files = _read_prompts(files, tokenizer, cfg)
         if not rows:
             empty = f"; with no rows: {_listing(empty_files)}" if empty_files else ""
-            raise DataError(f"no valid prompts in {_listing(files)}: {len(rejects)} row(s) rejected "
-                            f"({_reason_counts(rejects)}){empty}; check data.train_files and the column layout")
+            raise DataError(
+                f"no valid prompts in {_listing(files)}: {len(rejects)} row(s) rejected "
+                f"({_reason_counts(rejects)}){empty}; check data.train_files and the column layout"
+            )
         output = _write(ctx.output_dir, rows, rejects, shard_size=cfg.data.shard_size)
         output.counts["truncated_prompts"] = truncated
         return output
@@ -124,8 +128,9 @@ def _read_prompts(files: list[str], tokenizer, cfg: PipelineConfig) -> tuple[lis
             reject = _validate(row, seen=seen)
             if reject is None:
                 _tokenize_into(row, tokenizer, apply_template=cfg.data.apply_chat_template)
-                reject = _fit_length(row, tokenizer, max_tokens=cfg.data.max_prompt_tokens,
-                                     policy=cfg.data.overlong_prompts)
+                reject = _fit_length(
+                    row, tokenizer, max_tokens=cfg.data.max_prompt_tokens, policy=cfg.data.overlong_prompts
+                )
                 truncated += row.get("truncated", False)
             if reject is not None:
                 rejects.append(reject)
@@ -147,8 +152,9 @@ def load_tokenizer(cfg: PipelineConfig):
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise DataError(f"cannot load the tokenizer from {source!r} (model.tokenizer / model.path): "
-                        f"{str(err).splitlines()[0]}") from None
+        raise DataError(
+            f"cannot load the tokenizer from {source!r} (model.tokenizer / model.path): {str(err).splitlines()[0]}"
+        ) from None
 
 
 def _normalized_rows(uri: str, *, needs_data_source: bool):
@@ -160,7 +166,9 @@ def _normalized_rows(uri: str, *, needs_data_source: bool):
     stem = uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
     for index, raw in enumerate(table.to_pylist()):
         reward_model = raw.get("reward_model") or {}
-        ground_truth = raw.get("ground_truth", reward_model.get("ground_truth") if isinstance(reward_model, dict) else None)
+        ground_truth = raw.get(
+            "ground_truth", reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+        )
         ground_truth, ground_truth_problem = ground_truth_text(ground_truth)
         yield {
             "prompt_id": str(raw["prompt_id"]) if raw.get("prompt_id") is not None else f"{stem}-{index}",
@@ -168,7 +176,9 @@ def _normalized_rows(uri: str, *, needs_data_source: bool):
             "prompt": raw.get("prompt"),
             "ground_truth": ground_truth,
             "ground_truth_problem": ground_truth_problem,
-            "extra_info_json": json.dumps(raw["extra_info"], default=str) if raw.get("extra_info") is not None else None,
+            "extra_info_json": json.dumps(raw["extra_info"], default=str)
+            if raw.get("extra_info") is not None
+            else None,
             "source_file": uri,
             "source_row": index,
         }
@@ -224,15 +234,22 @@ def rewards_need_data_source(cfg: PipelineConfig) -> bool:
 
 def _check_columns(uri: str, columns: set[str], *, needs_data_source: bool) -> None:
     """DataError naming the file and the first required column it lacks."""
-    layouts = ("use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or verl's "
-               "(prompt, reward_model.ground_truth, data_source)")
+    layouts = (
+        "use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or verl's "
+        "(prompt, reward_model.ground_truth, data_source)"
+    )
     if "prompt" not in columns:
         missing, hint = "'prompt'", layouts
     elif "ground_truth" not in columns and "reward_model" not in columns:
         missing, hint = "'ground_truth' (or verl's 'reward_model')", layouts
     elif needs_data_source and "data_source" not in columns:
-        missing, hint = "'data_source'", ("it chooses each row's reward while score.rewards is empty: add the column "
-                                          "(e.g. openai/gsm8k) or list the rewards in score.rewards")
+        missing, hint = (
+            "'data_source'",
+            (
+                "it chooses each row's reward while score.rewards is empty: add the column "
+                "(e.g. openai/gsm8k) or list the rewards in score.rewards"
+            ),
+        )
     else:
         return
     raise DataError(f"data.train_files: {uri} has no {missing} column (columns: {sorted(columns)}); {hint}")
@@ -272,10 +289,14 @@ def prompt_messages(prompt: Any) -> tuple[list[dict[str, str]], tuple[str, str] 
     if prompt is None:
         return [], ("empty_prompt", "prompt is null")
     if not isinstance(prompt, list):
-        return [], ("bad_prompt", f"prompt is a {type(prompt).__name__} ({str(prompt)[:80]}); expected a string "
-                                  f"or a list of {{role, content}} chat messages")
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-               for m in prompt):
+        return [], (
+            "bad_prompt",
+            f"prompt is a {type(prompt).__name__} ({str(prompt)[:80]}); expected a string "
+            f"or a list of {{role, content}} chat messages",
+        )
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
         return [], ("bad_messages", "prompt messages must be {role: str, content: str}")
     roles = sorted({m["role"] for m in prompt} - set(CHAT_ROLES))
     if roles:
@@ -292,8 +313,13 @@ def _fit_length(row: dict[str, Any], tokenizer, *, max_tokens: int, policy: str)
     if len(ids) <= max_tokens:
         return None
     if policy == "reject":
-        return Reject(row["source_file"], row["source_row"], row["prompt_id"], "prompt_too_long",
-                      f"{len(ids)} tokens > data.max_prompt_tokens={max_tokens}")
+        return Reject(
+            row["source_file"],
+            row["source_row"],
+            row["prompt_id"],
+            "prompt_too_long",
+            f"{len(ids)} tokens > data.max_prompt_tokens={max_tokens}",
+        )
     row["prompt_token_ids"] = ids[-max_tokens:] if policy == "truncate_left" else ids[:max_tokens]
     row["prompt_text"] = tokenizer.decode(row["prompt_token_ids"], skip_special_tokens=False)
     row["truncated"] = True
@@ -314,7 +340,7 @@ def _write(output_dir: str, rows: list[dict], rejects: list[Reject], *, shard_si
     schema = load_schema("prompts")
     parts = []
     for shard_index, start in enumerate(range(0, len(rows), shard_size)):
-        chunk = rows[start:start + shard_size]
+        chunk = rows[start : start + shard_size]
         table = pa.Table.from_pylist([{k: r[k] for k in schema.names} for r in chunk], schema=schema)
         name = part_name(shard_index)
         num_bytes, digest = write_parquet_atomic(table, join(output_dir, name))
@@ -329,10 +355,15 @@ def _write(output_dir: str, rows: list[dict], rejects: list[Reject], *, shard_si
         key = f"data_source/{row['data_source']}"
         counts[key] = counts.get(key, 0) + 1
     if rejects:
-        logger.warning("ingest rejected %d row(s): %s (see %s)", len(rejects), _reason_counts(rejects),
-                       join(output_dir, reject_name))
-    return StageOutput(parts=parts, counts=counts,
-                       extra_parts={"rejects": [PartInfo(reject_name, len(rejects), digest, num_bytes)]})
+        logger.warning(
+            "ingest rejected %d row(s): %s (see %s)",
+            len(rejects),
+            _reason_counts(rejects),
+            join(output_dir, reject_name),
+        )
+    return StageOutput(
+        parts=parts, counts=counts, extra_parts={"rejects": [PartInfo(reject_name, len(rejects), digest, num_bytes)]}
+    )
 
 
 def _reason_counter(rejects: list[Reject]) -> dict[str, int]:

@@ -33,10 +33,10 @@ import pyarrow.compute as pc
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
-from batchrl.storage.manifest import Manifest
 from batchrl.rewards import resolve_reward
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
 from batchrl.rewards.isolation import IsolatedRewards
+from batchrl.storage.manifest import Manifest
 from batchrl.storage.sources import check_checkpoint_source
 
 logger = logging.getLogger(__name__)
@@ -52,19 +52,30 @@ class ScoreWorker(ShardWorker):
 
     schema = "scores"
 
-    def __init__(self, *, terms: list[Any], by_data_source: Mapping[str, str], failure_reward: float,
-                 timeout_s: float | None = None, reward_model: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        *,
+        terms: list[Any],
+        by_data_source: Mapping[str, str],
+        failure_reward: float,
+        timeout_s: float | None = None,
+        reward_model: Mapping[str, Any] | None = None,
+    ):
         self.failure_reward = float(failure_reward)
         specs = [as_term_spec(t) for t in terms]
         self.rewards: RewardSet | None = None
         self.isolated: IsolatedRewards | None = None
         if specs or reward_model is None:
-            reward_set_kwargs = {"terms": [vars(s) | {"params": dict(s.params)} for s in specs],
-                                 "by_data_source": dict(by_data_source), "failure_reward": self.failure_reward}
+            reward_set_kwargs = {
+                "terms": [vars(s) | {"params": dict(s.params)} for s in specs],
+                "by_data_source": dict(by_data_source),
+                "failure_reward": self.failure_reward,
+            }
             self.rewards = RewardSet(**reward_set_kwargs)
             if timeout_s:
-                self.isolated = IsolatedRewards(reward_set_kwargs=reward_set_kwargs, timeout_s=timeout_s,
-                                                term_names_for=self.term_names_for)
+                self.isolated = IsolatedRewards(
+                    reward_set_kwargs=reward_set_kwargs, timeout_s=timeout_s, term_names_for=self.term_names_for
+                )
         self.reward_model, self.reward_model_weight = None, 0.0
         if reward_model is not None:
             from batchrl.rewards.model import SequenceClassifierReward
@@ -102,10 +113,18 @@ class ScoreWorker(ShardWorker):
             values_SK = np.concatenate([values_SK, model_S[:, None]], axis=1)
             names_P = [names + [REWARD_MODEL_COMPONENT] for names in names_P]
             weights_K = [*weights_K, self.reward_model_weight]
-        total_S = combine_components(values_SK, np.asarray(weights_K, dtype=np.float64),
-                                     failure_reward=self.failure_reward)
-        out = append_score_columns(table, row_of_sample_S, total_S=total_S, values_SK=values_SK, errors_S=errors_S,
-                                   names_P=names_P, weights_K=weights_K)
+        total_S = combine_components(
+            values_SK, np.asarray(weights_K, dtype=np.float64), failure_reward=self.failure_reward
+        )
+        out = append_score_columns(
+            table,
+            row_of_sample_S,
+            total_S=total_S,
+            values_SK=values_SK,
+            errors_S=errors_S,
+            names_P=names_P,
+            weights_K=weights_K,
+        )
         counts = summarize_scores(out)
         if self.reward_model is not None:
             counts["reward_model_truncated"] = num_truncated
@@ -119,8 +138,10 @@ class ScoreWorker(ShardWorker):
             with gc_paused():  # only bookkeeping and pickling here: the reward code runs in the child
                 results = self.isolated.evaluate(tasks)
         else:
-            results = [self.rewards.evaluate(response, truth, sample_row(group, *sample))
-                       for response, truth, group, *sample in tasks]
+            results = [
+                self.rewards.evaluate(response, truth, sample_row(group, *sample))
+                for response, truth, group, *sample in tasks
+            ]
         num_terms = len(results[0][0]) if results else 0
         values_SK = np.array([values for values, _ in results], dtype=np.float64).reshape(len(tasks), num_terms)
         errors_S = [("; ".join(e for e in errors if e) or None) if any(errors) else None for _, errors in results]
@@ -162,25 +183,47 @@ def gc_paused() -> Iterator[None]:
 def sample_tasks(table: pa.Table) -> tuple[list[tuple], np.ndarray]:
     """One (response, ground_truth, group fields, sample_idx, response_length, finish_reason) per sample (the
     reward's row fields are combine.sample_row of the last four), and the group row index of each sample."""
-    columns = table.select(["prompt_id", "data_source", "prompt_text", "ground_truth", "extra_info_json",
-                            "response_texts", "response_lengths", "finish_reasons"]).to_pydict()
+    columns = table.select(
+        [
+            "prompt_id",
+            "data_source",
+            "prompt_text",
+            "ground_truth",
+            "extra_info_json",
+            "response_texts",
+            "response_lengths",
+            "finish_reasons",
+        ]
+    ).to_pydict()
     tasks, row_of_sample = [], []
     for r in range(table.num_rows):
         extra = columns["extra_info_json"][r]
-        group = {"prompt_id": columns["prompt_id"][r], "data_source": columns["data_source"][r],
-                 "prompt_text": columns["prompt_text"][r], "extra_info": json.loads(extra) if extra else None}
+        group = {
+            "prompt_id": columns["prompt_id"][r],
+            "data_source": columns["data_source"][r],
+            "prompt_text": columns["prompt_text"][r],
+            "extra_info": json.loads(extra) if extra else None,
+        }
         truth = columns["ground_truth"][r]
-        samples = zip(columns["response_texts"][r], columns["response_lengths"][r], columns["finish_reasons"][r],
-                      strict=True)
+        samples = zip(
+            columns["response_texts"][r], columns["response_lengths"][r], columns["finish_reasons"][r], strict=True
+        )
         for sample_idx, (response, length, finish_reason) in enumerate(samples):
             tasks.append((response, truth, group, sample_idx, length, finish_reason))
             row_of_sample.append(r)
     return tasks, np.asarray(row_of_sample, dtype=np.int64)
 
 
-def append_score_columns(table: pa.Table, row_of_sample_S: np.ndarray, *, total_S: np.ndarray,
-                         values_SK: np.ndarray, errors_S: list[str | None], names_P: list[list[str]],
-                         weights_K: list[float]) -> pa.Table:
+def append_score_columns(
+    table: pa.Table,
+    row_of_sample_S: np.ndarray,
+    *,
+    total_S: np.ndarray,
+    values_SK: np.ndarray,
+    errors_S: list[str | None],
+    names_P: list[list[str]],
+    weights_K: list[float],
+) -> pa.Table:
     """The rollouts table plus scores, score_errors, reward_names, reward_weights and reward_values per group."""
     num_samples, num_components = values_SK.shape
     group_offsets = np.concatenate([[0], np.cumsum(np.bincount(row_of_sample_S, minlength=table.num_rows))])
@@ -203,11 +246,13 @@ def summarize_scores(table: pa.Table) -> dict[str, float]:
     scores_S = pc.list_flatten(table.column("scores")).to_numpy()
     errors_S = pc.list_flatten(table.column("score_errors"))
     counts: dict[str, float] = {
-        "num_samples": len(scores_S), "score_sum": float(scores_S.sum()),
+        "num_samples": len(scores_S),
+        "score_sum": float(scores_S.sum()),
         "score_max": float(scores_S.max(initial=-np.inf)) if len(scores_S) else 0.0,
         "score_min": float(scores_S.min(initial=np.inf)) if len(scores_S) else 0.0,
         "failed_samples": len(errors_S) - errors_S.null_count,
-        "timed_out_samples": int(pc.sum(pc.match_substring(errors_S, TIMED_OUT)).as_py() or 0)}
+        "timed_out_samples": int(pc.sum(pc.match_substring(errors_S, TIMED_OUT)).as_py() or 0),
+    }
     counts.update(_component_counts(table, num_samples=len(scores_S)))
     return counts
 
@@ -230,9 +275,11 @@ def _component_counts(table: pa.Table, *, num_samples: int) -> dict[str, float]:
         for k, name in enumerate(names):
             column_S = values_SK[names_id_S == names_id, k]
             scored_S = ~np.isnan(column_S)
-            for key, value in ((f"component_sum/{name}", float(column_S[scored_S].sum())),
-                               (f"component_count/{name}", int(scored_S.sum())),
-                               (f"failed/{name}", int((~scored_S).sum()))):
+            for key, value in (
+                (f"component_sum/{name}", float(column_S[scored_S].sum())),
+                (f"component_count/{name}", int(scored_S.sum())),
+                (f"failed/{name}", int((~scored_S).sum())),
+            ):
                 counts[key] = counts.get(key, 0) + value
     return counts
 
@@ -242,8 +289,11 @@ def score_stats(counts: Mapping[str, float]) -> dict[str, float]:
     n = counts.get("num_samples", 0)
     if not n:
         return {}
-    stats = {"critic/score/mean": counts["score_sum"] / n, "critic/score/max": counts["score_max"],
-             "critic/score/min": counts["score_min"]}
+    stats = {
+        "critic/score/mean": counts["score_sum"] / n,
+        "critic/score/max": counts["score_max"],
+        "critic/score/min": counts["score_min"],
+    }
     for key, total in sorted(counts.items()):
         prefix, _, name = key.partition("/")
         if prefix == "component_sum" and counts[f"component_count/{name}"]:  # none if it failed everywhere
@@ -281,10 +331,16 @@ class ScoreStage(Stage):
             rm = s.reward_model
             reward_model = rm.model_dump(exclude={"num_actors", "cpus_per_actor", "gpus_per_actor"})
             reward_model["device"] = "cuda" if rm.gpus_per_actor > 0 else "cpu"
-        return {"terms": [TermSpec(reward=t.reward, weight=t.weight, name=t.component_name, params=dict(t.params))
-                          for t in s.rewards],
-                "by_data_source": dict(s.reward_by_data_source), "failure_reward": s.failure_reward,
-                "timeout_s": s.timeout_s, "reward_model": reward_model}
+        return {
+            "terms": [
+                TermSpec(reward=t.reward, weight=t.weight, name=t.component_name, params=dict(t.params))
+                for t in s.rewards
+            ],
+            "by_data_source": dict(s.reward_by_data_source),
+            "failure_reward": s.failure_reward,
+            "timeout_s": s.timeout_s,
+            "reward_model": reward_model,
+        }
 
     @staticmethod
     def _rule_reward_set(cfg: PipelineConfig) -> RewardSet | None:
@@ -292,8 +348,9 @@ class ScoreStage(Stage):
         kwargs = ScoreStage.reward_kwargs(cfg)
         if not kwargs["terms"] and kwargs["reward_model"] is not None:
             return None
-        return RewardSet(terms=kwargs["terms"], by_data_source=kwargs["by_data_source"],
-                         failure_reward=kwargs["failure_reward"])
+        return RewardSet(
+            terms=kwargs["terms"], by_data_source=kwargs["by_data_source"], failure_reward=kwargs["failure_reward"]
+        )
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         """Before anything is written: every reward named in the config resolves, with valid params."""
@@ -321,24 +378,43 @@ class ScoreStage(Stage):
         cfg = ctx.cfg
         rm = cfg.score.reward_model
         parts, counts = run_sharded(
-            input_dir=ctx.input_dirs["rollouts"], input_manifest=ctx.inputs["rollouts"], output_dir=ctx.output_dir,
-            worker_cls=ScoreWorker, worker_kwargs=self.reward_kwargs(cfg), summarize=summarize_scores,
+            input_dir=ctx.input_dirs["rollouts"],
+            input_manifest=ctx.inputs["rollouts"],
+            output_dir=ctx.output_dir,
+            worker_cls=ScoreWorker,
+            worker_kwargs=self.reward_kwargs(cfg),
+            summarize=summarize_scores,
             concurrency=rm.num_actors if rm else max(1, cfg.ray.num_cpus or 2),
-            num_cpus=rm.cpus_per_actor if rm else 1, num_gpus=rm.gpus_per_actor if rm else 0.0,
-            description="score", progress_bars=cfg.tracking.progress_bars, embedded_ray=ctx.embedded_ray)
+            num_cpus=rm.cpus_per_actor if rm else 1,
+            num_gpus=rm.gpus_per_actor if rm else 0.0,
+            description="score",
+            progress_bars=cfg.tracking.progress_bars,
+            embedded_ray=ctx.embedded_ray,
+        )
         n = int(counts.get("num_samples", 0))
         if counts.get("failed_samples"):
-            logger.warning("%d of %d samples failed to score (%d timed out; see score_errors)",
-                           counts["failed_samples"], n, counts.get("timed_out_samples", 0))
-        kept = {k: int(v) for k, v in counts.items()
-                if k in ("failed_samples", "timed_out_samples", "reward_model_truncated") or k.startswith("failed/")}
+            logger.warning(
+                "%d of %d samples failed to score (%d timed out; see score_errors)",
+                counts["failed_samples"],
+                n,
+                counts.get("timed_out_samples", 0),
+            )
+        kept = {
+            k: int(v)
+            for k, v in counts.items()
+            if k in ("failed_samples", "timed_out_samples", "reward_model_truncated") or k.startswith("failed/")
+        }
         return StageOutput(parts=parts, counts={"num_samples": n, **kept}, stats=score_stats(counts))
 
 
 def reward_model_actor_need(cfg: PipelineConfig) -> ActorNeed:
     rm = cfg.score.reward_model
-    return ActorNeed(cpus=rm.cpus_per_actor, gpus=rm.gpus_per_actor, cpus_field="score.reward_model.cpus_per_actor",
-                     gpus_field="score.reward_model.gpus_per_actor")
+    return ActorNeed(
+        cpus=rm.cpus_per_actor,
+        gpus=rm.gpus_per_actor,
+        cpus_field="score.reward_model.cpus_per_actor",
+        gpus_field="score.reward_model.gpus_per_actor",
+    )
 
 
 def _as_config_error(check: Callable[[], Any]) -> Any:

@@ -32,15 +32,16 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from batchrl.config import PipelineConfig
-from batchrl.storage.manifest import PartInfo, file_sizes, read_manifest
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
+from batchrl.storage.manifest import PartInfo, file_sizes, read_manifest
 from batchrl.tracking.progress import ProgressBar, progress
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,14 @@ class UpdateStage(Stage):
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         if cfg.update.launcher != "ray":  # auto is ray on a cluster only, and ranks on this host ask Ray for nothing
             return []
-        return [ActorNeed(cpus=cfg.update.cpus_per_rank, gpus=0.0, cpus_field="update.cpus_per_rank",
-                          gpus_field="update.num_processes")]
+        return [
+            ActorNeed(
+                cpus=cfg.update.cpus_per_rank,
+                gpus=0.0,
+                cpus_field="update.cpus_per_rank",
+                gpus_field="update.num_processes",
+            )
+        ]
 
     @classmethod
     def close(cls) -> None:
@@ -74,10 +81,15 @@ class UpdateStage(Stage):
         u = cfg.update
         # Where and how the ranks run, and how long they may take, do not change what they compute.
         placement = {"timeout_s", "trainer_lifetime", "launcher", "cpus_per_rank"}
-        return {"update": u.model_dump(exclude=placement | {"keep_last_k_optimizer_states", "share_prompt"}),
-                "saves_optimizer_state": u.keep_last_k_optimizer_states != 0, "seed": cfg.run.seed,
-                "dtype": cfg.model.dtype, "schedule_iterations": _schedule_iterations(cfg),
-                "norm_length": _norm_length(cfg), "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None}
+        return {
+            "update": u.model_dump(exclude=placement | {"keep_last_k_optimizer_states", "share_prompt"}),
+            "saves_optimizer_state": u.keep_last_k_optimizer_states != 0,
+            "seed": cfg.run.seed,
+            "dtype": cfg.model.dtype,
+            "schedule_iterations": _schedule_iterations(cfg),
+            "norm_length": _norm_length(cfg),
+            "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None,
+        }
 
     def run(self, ctx: StageContext) -> StageOutput:
         from batchrl.trainer import shutdown_trainers
@@ -123,11 +135,16 @@ def _run_locally(ctx: StageContext, state: RecordedState | None, *, resident: bo
         state_files = []
         if spec.trainer_state_out is not None:  # recorded apart from the parts: keep-last-K deletes it later
             state_files = _publish_dir(Path(spec.trainer_state_out), ctx.output_dir, prefix=f"{TRAINER_STATE_DIR}/")
-            logger.info("saved the optimizer state (%d files, %.1f MB) under %s", len(state_files),
-                        sum(p.num_bytes for p in state_files) / 1e6, join(ctx.output_dir, TRAINER_STATE_DIR))
+            logger.info(
+                "saved the optimizer state (%d files, %.1f MB) under %s",
+                len(state_files),
+                sum(p.num_bytes for p in state_files) / 1e6,
+                join(ctx.output_dir, TRAINER_STATE_DIR),
+            )
     logger.info("published policy checkpoint (%d files) to %s", len(parts), ctx.output_dir)
-    return StageOutput(parts=parts, stats={k: float(v) for k, v in metrics.items()}, extra_parts=extra_parts,
-                       trainer_state=state_files)
+    return StageOutput(
+        parts=parts, stats={k: float(v) for k, v in metrics.items()}, extra_parts=extra_parts, trainer_state=state_files
+    )
 
 
 def _carry_policy_forward(ctx: StageContext, state: RecordedState | None) -> StageOutput:
@@ -138,9 +155,12 @@ def _carry_policy_forward(ctx: StageContext, state: RecordedState | None) -> Sta
     checksums are recorded anew, and would vouch for a modified file."""
     from batchrl.trainer.integrity import verify_dir
 
-    logger.warning("iteration %s: the advantages table has no rows (every group was filtered out, e.g. by "
-                   "advantage.filter_groups when all of a group's rewards are equal); no update, the policy is "
-                   "carried forward unchanged", ctx.iteration)
+    logger.warning(
+        "iteration %s: the advantages table has no rows (every group was filtered out, e.g. by "
+        "advantage.filter_groups when all of a group's rewards are equal); no update, the policy is "
+        "carried forward unchanged",
+        ctx.iteration,
+    )
     with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
         policy = Path(scratch) / "policy"
         source = local_copy(ctx.policy_in)
@@ -176,8 +196,9 @@ def _progress_display(bar: ProgressBar) -> Callable[[dict[str, Any]], None]:
             bar.update(description="update: old/ref log-probs")
         elif phase == "train":
             if "pg_loss" in record and "grad_norm" in record:
-                state["steps"] = (f"update: steps  pg_loss {float(record['pg_loss']):.3g}  "
-                                  f"grad_norm {float(record['grad_norm']):.3g}")
+                state["steps"] = (
+                    f"update: steps  pg_loss {float(record['pg_loss']):.3g}  grad_norm {float(record['grad_norm']):.3g}"
+                )
             bar.update(completed=int(record.get("done", 0)), total=record.get("total"), description=state["steps"])
         elif phase == "save":
             bar.update(description="update: saving")
@@ -204,20 +225,22 @@ def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:
 
     u = ctx.cfg.update
     with tempfile.TemporaryDirectory(prefix="batchrl-update-") as scratch:
-        keeps_state = u.keep_last_k_optimizer_states != 0
-        spec = _spec(ctx, policy_in=ctx.policy_in,
-                     reference_policy=ctx.cfg.model.path if u.kl_loss_coef > 0 else None,
-                     advantages_files=[join(ctx.input_dirs["advantages"], p.name)
-                                       for p in ctx.inputs["advantages"].parts],
-                     trainer_state_in=None if state is None else state.uri,
-                     trainer_state_sha256=None if state is None else state.sha256,
-                     policy_out=ctx.output_dir, out_dir=ctx.output_dir,
-                     metrics_path=str(Path(scratch) / "metrics.json"))
+        spec = _spec(
+            ctx,
+            policy_in=ctx.policy_in,
+            reference_policy=ctx.cfg.model.path if u.kl_loss_coef > 0 else None,
+            advantages_files=[join(ctx.input_dirs["advantages"], p.name) for p in ctx.inputs["advantages"].parts],
+            trainer_state_in=None if state is None else state.uri,
+            trainer_state_sha256=None if state is None else state.sha256,
+            policy_out=ctx.output_dir,
+            out_dir=ctx.output_dir,
+            metrics_path=str(Path(scratch) / "metrics.json"),
+        )
         with progress(None, f"update: {u.num_processes} rank(s) on Ray", enabled=ctx.cfg.tracking.progress_bars):
             result = run_update_on_ray(spec, timeout_s=u.timeout_s, cpus_per_rank=u.cpus_per_rank)
     parts, extra_parts, state_files = [], {"logprobs": []}, []
     for uploaded in result.uploaded:
-        name = uploaded.uri[len(ctx.output_dir.rstrip("/")) + 1:]
+        name = uploaded.uri[len(ctx.output_dir.rstrip("/")) + 1 :]
         part = PartInfo(name=name, rows=0, sha256=uploaded.sha256, num_bytes=uploaded.num_bytes)
         if name.startswith(f"{TRAINER_STATE_DIR}/"):  # recorded apart from the parts: keep-last-K deletes it later
             state_files.append(part)
@@ -225,28 +248,51 @@ def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:
             extra_parts["logprobs"].append(part)
         else:
             parts.append(part)
-    logger.info("the update's Ray workers published the policy checkpoint (%d files) and %.1f MB of optimizer "
-                "state to %s", len(parts), sum(p.num_bytes for p in state_files) / 1e6, ctx.output_dir)
-    return StageOutput(parts=sorted(parts, key=lambda p: p.name), stats=result.metrics, extra_parts=extra_parts,
-                       trainer_state=sorted(state_files, key=lambda p: p.name))
+    logger.info(
+        "the update's Ray workers published the policy checkpoint (%d files) and %.1f MB of optimizer state to %s",
+        len(parts),
+        sum(p.num_bytes for p in state_files) / 1e6,
+        ctx.output_dir,
+    )
+    return StageOutput(
+        parts=sorted(parts, key=lambda p: p.name),
+        stats=result.metrics,
+        extra_parts=extra_parts,
+        trainer_state=sorted(state_files, key=lambda p: p.name),
+    )
 
 
 def _local_spec(ctx: StageContext, scratch: str, state: RecordedState | None):
     """The UpdateSpec for the local launcher: every input made local, every output in `scratch`, published after."""
     u = ctx.cfg.update
-    return _spec(ctx, policy_in=local_copy(ctx.policy_in),
-                 reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
-                 advantages_files=[_local_file(join(ctx.input_dirs["advantages"], p.name), scratch, "advantages")
-                                   for p in ctx.inputs["advantages"].parts],
-                 trainer_state_in=None if state is None else _local_trainer_state(state, scratch),
-                 trainer_state_sha256=None if state is None else state.sha256,
-                 policy_out=str(Path(scratch) / "policy"), out_dir=scratch,
-                 metrics_path=str(Path(scratch) / "metrics.json"))
+    return _spec(
+        ctx,
+        policy_in=local_copy(ctx.policy_in),
+        reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
+        advantages_files=[
+            _local_file(join(ctx.input_dirs["advantages"], p.name), scratch, "advantages")
+            for p in ctx.inputs["advantages"].parts
+        ],
+        trainer_state_in=None if state is None else _local_trainer_state(state, scratch),
+        trainer_state_sha256=None if state is None else state.sha256,
+        policy_out=str(Path(scratch) / "policy"),
+        out_dir=scratch,
+        metrics_path=str(Path(scratch) / "metrics.json"),
+    )
 
 
-def _spec(ctx: StageContext, *, policy_in: str, reference_policy: str | None, advantages_files: list[str],
-          trainer_state_in: str | None, trainer_state_sha256: dict[str, str] | None, policy_out: str, out_dir: str,
-          metrics_path: str):
+def _spec(
+    ctx: StageContext,
+    *,
+    policy_in: str,
+    reference_policy: str | None,
+    advantages_files: list[str],
+    trainer_state_in: str | None,
+    trainer_state_sha256: dict[str, str] | None,
+    policy_out: str,
+    out_dir: str,
+    metrics_path: str,
+):
     """The UpdateSpec for this iteration with the caller's paths; the trainer state and the log-probs table go
     under `out_dir` (at the names the run directory uses). The update options travel as the validated config, with
     the norm length resolved here: its default is a field of another section (generate.max_new_tokens)."""
@@ -256,12 +302,19 @@ def _spec(ctx: StageContext, *, policy_in: str, reference_policy: str | None, ad
     keeps_state = u.keep_last_k_optimizer_states != 0
     return UpdateSpec(
         update=u.model_copy(update={"loss_agg_norm_length": _norm_length(cfg)}),
-        policy_in=policy_in, policy_out=policy_out, advantages_files=advantages_files, metrics_path=metrics_path,
-        seed=cfg.run.seed + (ctx.iteration or 0), dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32",
-        num_iterations=_schedule_iterations(cfg) or 1, reference_policy=reference_policy,
-        trainer_state_in=trainer_state_in, trainer_state_sha256=trainer_state_sha256,
+        policy_in=policy_in,
+        policy_out=policy_out,
+        advantages_files=advantages_files,
+        metrics_path=metrics_path,
+        seed=cfg.run.seed + (ctx.iteration or 0),
+        dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32",
+        num_iterations=_schedule_iterations(cfg) or 1,
+        reference_policy=reference_policy,
+        trainer_state_in=trainer_state_in,
+        trainer_state_sha256=trainer_state_sha256,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
-        logprobs_out=join(out_dir, LOGPROBS_PART))
+        logprobs_out=join(out_dir, LOGPROBS_PART),
+    )
 
 
 def _schedule_iterations(cfg: PipelineConfig) -> int | None:
@@ -291,19 +344,29 @@ def _recorded_trainer_state(ctx: StageContext) -> RecordedState | None:
     uri = join(ctx.policy_in, TRAINER_STATE_DIR)
     manifest = read_manifest(ctx.policy_in)
     if manifest is None:
-        raise DataError(f"the input policy {ctx.policy_in} of iteration {ctx.iteration}'s update has no manifest; "
-                        f"redo it: batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update "
-                        f"--iteration {ctx.iteration - 1}")
+        raise DataError(
+            f"the input policy {ctx.policy_in} of iteration {ctx.iteration}'s update has no manifest; "
+            f"redo it: batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update "
+            f"--iteration {ctx.iteration - 1}"
+        )
     if manifest.trainer_state == []:
-        logger.info("iteration %d: the update of %s saved no optimizer state (nothing to train on); AdamW starts "
-                    "from zero moments", ctx.iteration, ctx.policy_in)
+        logger.info(
+            "iteration %d: the update of %s saved no optimizer state (nothing to train on); AdamW starts "
+            "from zero moments",
+            ctx.iteration,
+            ctx.policy_in,
+        )
         return None
     problem = _state_problem(uri, manifest.trainer_state)
     if problem is not None:
         raise _unusable_state(ctx, uri, *problem)
     if manifest.trainer_state is None:
-        logger.warning("iteration %d: %s records no checksums of its optimizer state (written by an earlier batchrl): "
-                       "it is loaded unverified", ctx.iteration, ctx.policy_in)
+        logger.warning(
+            "iteration %d: %s records no checksums of its optimizer state (written by an earlier batchrl): "
+            "it is loaded unverified",
+            ctx.iteration,
+            ctx.policy_in,
+        )
         return RecordedState(uri=uri, sha256=None)
     return RecordedState(uri=uri, sha256={_state_name(p): p.sha256 for p in manifest.trainer_state})
 
@@ -325,26 +388,31 @@ def _state_problem(uri: str, recorded: list[PartInfo] | None) -> tuple[str, str]
         if name not in sizes:
             return name, "missing"
         if sizes[name] != part.num_bytes:
-            return name, (f"{sizes[name]} bytes, not the {part.num_bytes} recorded when it was written (modified or "
-                          "corrupted since)")
+            return name, (
+                f"{sizes[name]} bytes, not the {part.num_bytes} recorded when it was written (modified or "
+                "corrupted since)"
+            )
     return None
 
 
 def _unusable_state(ctx: StageContext, uri: str, name: str, reason: str) -> DataError:
     """The data error for an optimizer state that cannot be restored, with the command that redoes the updates
     from the last one whose input state is intact."""
-    redo = (f"batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update --iteration "
-            f"{_first_update_to_redo(ctx)}")
+    redo = (
+        f"batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update --iteration {_first_update_to_redo(ctx)}"
+    )
     if reason == "missing":
         return DataError(
             f"iteration {ctx.iteration}'s update continues the optimizer state saved with its input policy, but "
             f"{join(uri, name)} is gone (deleted by update.keep_last_k_optimizer_states, or by hand). Restarting "
             f"AdamW from zero moments would silently train differently, so nothing was run. Redo the updates from the "
-            f"last one whose input state exists: {redo} (a higher keep_last_k_optimizer_states, or null, keeps more)")
+            f"last one whose input state exists: {redo} (a higher keep_last_k_optimizer_states, or null, keeps more)"
+        )
     return DataError(
         f"{join(uri, name)}: {reason}. Iteration {ctx.iteration}'s update did not load it: loading an optimizer state "
         f"unpickles it, so a file changed after it was written could run code in the trainer. If the run directory "
-        f"is trusted, redo the updates from the last one whose input state is intact: {redo}")
+        f"is trusted, redo the updates from the last one whose input state is intact: {redo}"
+    )
 
 
 def _first_update_to_redo(ctx: StageContext) -> int:
@@ -353,8 +421,10 @@ def _first_update_to_redo(ctx: StageContext) -> int:
     for earlier in range(ctx.iteration - 2, -1, -1):
         policy_dir = ctx.layout.table_dir("policy", earlier)
         manifest = read_manifest(policy_dir)
-        if manifest is not None and (manifest.trainer_state == [] or _state_problem(
-                join(policy_dir, TRAINER_STATE_DIR), manifest.trainer_state) is None):
+        if manifest is not None and (
+            manifest.trainer_state == []
+            or _state_problem(join(policy_dir, TRAINER_STATE_DIR), manifest.trainer_state) is None
+        ):
             return earlier + 1
     return 0
 
@@ -366,7 +436,7 @@ def _local_trainer_state(state: RecordedState, scratch: str) -> str:
     fs, path = resolve(state.uri)
     target = Path(scratch) / "trainer_state_in"
     for remote in fs.find(path):
-        local = target / remote[len(path.rstrip("/")) + 1:]
+        local = target / remote[len(path.rstrip("/")) + 1 :]
         local.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(remote, str(local))
     return str(target)

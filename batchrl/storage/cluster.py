@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 PROBE_TIMEOUT_S = 60.0
 MAX_LISTED_FILES = 10_000  # an input directory's listing is compared up to this many files
@@ -54,15 +55,21 @@ def unshared_paths(writes: Iterable[str], reads: Iterable[str]) -> dict[str, lis
             expected[path] = ("listing", path, _listing(path))
         probe = ray.remote(num_cpus=0, max_retries=0)(_observe)
         targets = [(kind, target) for kind, target, _ in expected.values()]
-        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-                .remote(targets) for node in nodes]
+        refs = [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+                targets
+            )
+            for node in nodes
+        ]
         seen = list(zip((node["NodeManagerAddress"] for node in nodes), ray.get(refs, timeout=PROBE_TIMEOUT_S)))
     finally:
         for marker in markers.values():
             marker.unlink(missing_ok=True)
-    return {path: sorted({ip for ip, observed in seen if observed[index] != want})
-            for index, (path, (_, _, want)) in enumerate(expected.items())
-            if any(observed[index] != want for _, observed in seen)}
+    return {
+        path: sorted({ip for ip, observed in seen if observed[index] != want})
+        for index, (path, (_, _, want)) in enumerate(expected.items())
+        if any(observed[index] != want for _, observed in seen)
+    }
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -107,6 +114,7 @@ def _observe(targets: list[tuple[str, str]]) -> list[Any]:
 
 
 def describe(unshared: dict[str, list[str]], names: dict[str, str]) -> str:
-    """"field=path (not the same on node 10.0.0.2)" per unshared path; `names`: path -> the config field naming it."""
-    return ", ".join(f"{names.get(path, path)}={path} (not the same on node {', '.join(ips)})"
-                     for path, ips in unshared.items())
+    """ "field=path (not the same on node 10.0.0.2)" per unshared path; `names`: path -> the config field naming it."""
+    return ", ".join(
+        f"{names.get(path, path)}={path} (not the same on node {', '.join(ips)})" for path, ips in unshared.items()
+    )

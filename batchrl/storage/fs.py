@@ -42,9 +42,10 @@ def _storage_options(uri: str) -> dict:
     if uri.startswith(("s3://", "s3a://")):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         attempts = int(os.environ.get("BATCHRL_S3_MAX_ATTEMPTS", DEFAULT_S3_MAX_ATTEMPTS))
-        options: dict = {"skip_instance_cache": False,
-                         "config_kwargs": {"retries": {"mode": "standard", "max_attempts": attempts},
-                                           "connect_timeout": 10}}
+        options: dict = {
+            "skip_instance_cache": False,
+            "config_kwargs": {"retries": {"mode": "standard", "max_attempts": attempts}, "connect_timeout": 10},
+        }
         if endpoint:
             options["client_kwargs"] = {"endpoint_url": endpoint}
         return options
@@ -144,7 +145,9 @@ def expand_parquet_files(patterns: list[str]) -> list[str]:
         if any(ch in path for ch in "*?["):
             matches = [p for p in fs.glob(path) if fs.isfile(p)]
         elif fs.isdir(path):
-            matches = [p for p in fs.find(path) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith((".", "_"))]
+            matches = [
+                p for p in fs.find(path) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith((".", "_"))
+            ]
         elif fs.isfile(path):
             matches = [path]
         else:
@@ -174,7 +177,7 @@ def local_copy(uri: str) -> str:
         return str(target)
     tmp = cache_root / f".tmp-{uuid.uuid4().hex}"
     for remote in fs.find(path):
-        relative = remote[len(path.rstrip("/")) + 1:]
+        relative = remote[len(path.rstrip("/")) + 1 :]
         if relative.startswith("_"):
             continue  # manifests and markers are not part of the checkpoint
         (tmp / relative).parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ class RunLayout:
     run_dir: str  # <run_root>/<run_id>, local path or URI
 
     @classmethod
-    def for_run(cls, root: str, run_id: str) -> "RunLayout":
+    def for_run(cls, root: str, run_id: str) -> RunLayout:
         return cls(join(root, run_id))
 
     @property

@@ -73,7 +73,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         raw = json.loads(text)
         raw["parts"] = [PartInfo(**p) for p in raw["parts"]]
         raw["extra_parts"] = {k: [PartInfo(**p) for p in v] for k, v in raw.get("extra_parts", {}).items()}
@@ -112,7 +112,7 @@ def file_sizes(directory: str) -> dict[str, int]:
     root = path.rstrip("/")
     try:
         fs.invalidate_cache(root)
-        return {name[len(root) + 1:]: int(info.get("size") or 0) for name, info in fs.find(root, detail=True).items()}
+        return {name[len(root) + 1 :]: int(info.get("size") or 0) for name, info in fs.find(root, detail=True).items()}
     except FileNotFoundError:
         return {}
 

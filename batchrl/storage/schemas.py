@@ -15,8 +15,12 @@ from pathlib import Path
 import pyarrow as pa
 
 _SCALARS = {
-    "string": pa.string(), "int32": pa.int32(), "int64": pa.int64(),
-    "float32": pa.float32(), "float64": pa.float64(), "bool": pa.bool_(),
+    "string": pa.string(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
 }
 _LIST = re.compile(r"^list<(.+)>$")
 
@@ -36,7 +40,7 @@ def parse_type(text: str) -> pa.DataType:
     return _SCALARS[text]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_schema(name: str) -> pa.Schema:
     spec = json.loads((schema_dir() / f"{name}.json").read_text())
     fields = list(load_schema(spec["extends"])) if spec.get("extends") else []

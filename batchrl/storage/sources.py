@@ -45,14 +45,17 @@ def check_checkpoint_source(path: str, *, field: str, example: str) -> None:
     if os.path.isdir(local):
         return
     if not is_hub_id(path):
-        raise ConfigError(f"{field}: {path!r} is neither a local checkpoint directory nor a hub id like {example}; "
-                          f"fix the path")
+        raise ConfigError(
+            f"{field}: {path!r} is neither a local checkpoint directory nor a hub id like {example}; fix the path"
+        )
     if _in_hub_cache(path):
         return
     if _hub_offline():
-        raise ConfigError(f"{field}: {path!r} is neither a local directory nor in the Hugging Face cache "
-                          f"({_hub_cache()}), and HF_HUB_OFFLINE=1 forbids downloading it; fix the path, or "
-                          f"download it first (hf download {path})")
+        raise ConfigError(
+            f"{field}: {path!r} is neither a local directory nor in the Hugging Face cache "
+            f"({_hub_cache()}), and HF_HUB_OFFLINE=1 forbids downloading it; fix the path, or "
+            f"download it first (hf download {path})"
+        )
     _look_up_on_hub(path, field=field)
 
 
@@ -64,16 +67,21 @@ def _look_up_on_hub(repo_id: str, *, field: str) -> None:
     try:
         HfApi().model_info(repo_id, timeout=HUB_LOOKUP_TIMEOUT_S)
     except GatedRepoError:
-        raise ConfigError(f"{field}: {repo_id!r} is a gated hub model: accept its terms on the hub and set HF_TOKEN "
-                          f"(or log in with `hf auth login`)") from None
+        raise ConfigError(
+            f"{field}: {repo_id!r} is a gated hub model: accept its terms on the hub and set HF_TOKEN "
+            f"(or log in with `hf auth login`)"
+        ) from None
     except RepositoryNotFoundError:
-        raise ConfigError(f"{not_local} and the hub has no model of that name (or it is private: set HF_TOKEN); "
-                          f"fix the path") from None
-    except Exception as err:  # noqa: BLE001 - connection errors are requests' or httpx's, by hub client version
+        raise ConfigError(
+            f"{not_local} and the hub has no model of that name (or it is private: set HF_TOKEN); fix the path"
+        ) from None
+    except Exception as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"{not_local}, not in the Hugging Face cache ({_hub_cache()}), and the hub could not be "
-                          f"reached to look it up ({reason}); fix the path, or download the model first, or check "
-                          f"the network / HF_ENDPOINT") from None
+        raise ConfigError(
+            f"{not_local}, not in the Hugging Face cache ({_hub_cache()}), and the hub could not be "
+            f"reached to look it up ({reason}); fix the path, or download the model first, or check "
+            f"the network / HF_ENDPOINT"
+        ) from None
     logger.debug("%s: %s found on the hub", field, repo_id)
 
 
@@ -95,8 +103,9 @@ def _hub_offline() -> bool:
     from huggingface_hub import constants
 
     # the environment is read at call time too: huggingface_hub reads it once, when first imported
-    return bool(constants.HF_HUB_OFFLINE) or any(os.environ.get(name, "").upper() in _TRUE
-                                                 for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(
+        os.environ.get(name, "").upper() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def s3_credentials_problem() -> str | None:
@@ -115,8 +124,12 @@ def s3_credentials_problem() -> str | None:
 def check_s3_credentials(cfg: PipelineConfig) -> None:
     """ConfigError naming the first field of ``cfg`` on S3 when no credentials are found: without them botocore
     fails on the first request with a NoCredentialsError traceback."""
-    named = [("run.root", cfg.run.root), ("run.init_from", cfg.run.init_from), ("model.path", cfg.model.path),
-             ("model.tokenizer", cfg.model.tokenizer)] + [("data.train_files", f) for f in cfg.data.train_files]
+    named = [
+        ("run.root", cfg.run.root),
+        ("run.init_from", cfg.run.init_from),
+        ("model.path", cfg.model.path),
+        ("model.tokenizer", cfg.model.tokenizer),
+    ] + [("data.train_files", f) for f in cfg.data.train_files]
     if cfg.evaluate is not None:
         named += [("evaluate.files", f) for f in cfg.evaluate.files]
     if cfg.score.reward_model is not None:
@@ -127,6 +140,8 @@ def check_s3_credentials(cfg: PipelineConfig) -> None:
     problem = s3_credentials_problem()
     if problem is not None:
         name, uri = on_s3[0]
-        raise ConfigError(f"{name}: {uri} is on S3, but {problem}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                          f"(and AWS_SESSION_TOKEN for temporary ones, AWS_ENDPOINT_URL for an S3-compatible store), "
-                          f"or AWS_PROFILE naming a profile in ~/.aws/credentials")
+        raise ConfigError(
+            f"{name}: {uri} is on S3, but {problem}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            f"(and AWS_SESSION_TOKEN for temporary ones, AWS_ENDPOINT_URL for an S3-compatible store), "
+            f"or AWS_PROFILE naming a profile in ~/.aws/credentials"
+        )

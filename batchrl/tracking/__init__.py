@@ -11,5 +11,17 @@ from batchrl.tracking.summary import format_summary
 from batchrl.tracking.tables import TableInfo, describe_run, run_tables
 from batchrl.tracking.trackers import Tracker, Trackers, check_tracking, make_trackers, tracking_session
 
-__all__ = ["ProgressBar", "TableInfo", "Tracker", "Trackers", "check_tracking", "describe_run", "format_summary",
-           "make_trackers", "progress", "run_tables", "stderr_console", "tracking_session"]
+__all__ = [
+    "ProgressBar",
+    "TableInfo",
+    "Tracker",
+    "Trackers",
+    "check_tracking",
+    "describe_run",
+    "format_summary",
+    "make_trackers",
+    "progress",
+    "run_tables",
+    "stderr_console",
+    "tracking_session",
+]

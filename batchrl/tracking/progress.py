@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stderr_console():
     """The rich Console on stderr that bars draw on; give it to a RichHandler so log lines print above a bar."""
     from rich.console import Console
@@ -57,14 +57,27 @@ def progress(total: int | None, description: str, *, enabled: bool = True, conso
 
     Drawn when ``enabled`` (tracking.progress_bars) and the console is a terminal (default: stderr_console()).
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     console = console or stderr_console()
     if not enabled or not console.is_terminal:
         yield ProgressBar(total=total)
         return
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console, transient=False, redirect_stderr=False, redirect_stdout=False) as bar:
         yield ProgressBar(bar, bar.add_task(description, total=total), total=total)

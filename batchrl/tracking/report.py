@@ -20,8 +20,8 @@ import tempfile
 from dataclasses import dataclass
 
 from batchrl.config import ConfigError
-from batchrl.storage.manifest import read_manifest
 from batchrl.storage import RunLayout, is_local, join, read_parquet, resolve, upload_file
+from batchrl.storage.manifest import read_manifest
 from batchrl.tracking.summary import format_summary
 from batchrl.tracking.tables import iteration_dirs
 
@@ -42,13 +42,21 @@ class Panel:
 
 
 PANELS = (
-    Panel("reward", "Reward (critic/score; band: min..max)", ("critic/score/mean", "critic/rewards/"),
-          ("critic/score/min", "critic/score/max")),
+    Panel(
+        "reward",
+        "Reward (critic/score; band: min..max)",
+        ("critic/score/mean", "critic/rewards/"),
+        ("critic/score/min", "critic/score/max"),
+    ),
     Panel("accuracy", "Held-out accuracy (val-core; iteration -1 = the initial policy)", ("val-core/",)),
     Panel("kl", "KL", ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")),
     Panel("entropy", "Entropy", ("actor/entropy",)),
-    Panel("response_length", "Response length (tokens; band: min..max)", ("response_length/mean",),
-          ("response_length/min", "response_length/max")),
+    Panel(
+        "response_length",
+        "Response length (tokens; band: min..max)",
+        ("response_length/mean",),
+        ("response_length/min", "response_length/max"),
+    ),
     Panel("timings", "Seconds per iteration", ("timing_s/",)),
 )
 
@@ -69,8 +77,10 @@ def write_report(run_dir: str, *, out_dir: str | None = None, groups_per_iterati
     layout = RunLayout(run_dir.rstrip("/"))
     fs, run_yaml = resolve(layout.run_yaml)
     if not fs.exists(run_yaml):
-        raise ValueError(f"{run_dir} has no run.yaml: not a batchrl run directory (give the directory that "
-                         f"`batchrl run` printed, <run.root>/<run id>)")
+        raise ValueError(
+            f"{run_dir} has no run.yaml: not a batchrl run directory (give the directory that "
+            f"`batchrl run` printed, <run.root>/<run id>)"
+        )
     target = out_dir or join(layout.run_dir, "report")
     local = resolve(target)[1] if is_local(target) else tempfile.mkdtemp(prefix="batchrl-report-")
     os.makedirs(local, exist_ok=True)
@@ -105,8 +115,11 @@ def panel_series(panel: Panel, metrics: list[dict]) -> dict[str, list[tuple[int,
         names += [k for k in row if any(k.startswith(p) for p in prefixes) and k not in names]
     series = {}
     for name in names:
-        points = [(int(m["iteration"]), float(m[name])) for m in metrics
-                  if isinstance(m.get(name), (int, float)) and "iteration" in m]
+        points = [
+            (int(m["iteration"]), float(m[name]))
+            for m in metrics
+            if isinstance(m.get(name), (int, float)) and "iteration" in m
+        ]
         # The evaluation of the initial policy rides on iteration 0's row as initial/<name>: drawn at -1.
         initial = next((m.get(f"initial/{name}") for m in metrics if m.get("iteration") == 0), None)
         if points and isinstance(initial, (int, float)):
@@ -167,31 +180,47 @@ def sample_groups(layout: RunLayout, iteration: int, *, max_groups: int) -> list
         return []
     candidates: list[SampleGroup] = []
     for part in manifest.parts:
-        table = read_parquet(join(table_dir, part.name), columns=["prompt_id", "prompt_text", "response_texts",
-                                                                 "scores"])
+        table = read_parquet(
+            join(table_dir, part.name), columns=["prompt_id", "prompt_text", "response_texts", "scores"]
+        )
         for row in table.to_pylist():
             scores = row["scores"]  # finite: failed samples carry score.failure_reward
             if not scores:
                 continue
             best = max(range(len(scores)), key=lambda i: scores[i])
             worst = min(range(len(scores)), key=lambda i: scores[i])
-            candidates.append(SampleGroup(row["prompt_id"], row["prompt_text"], scores,
-                                          row["response_texts"][best], row["response_texts"][worst]))
+            candidates.append(
+                SampleGroup(
+                    row["prompt_id"],
+                    row["prompt_text"],
+                    scores,
+                    row["response_texts"][best],
+                    row["response_texts"][worst],
+                )
+            )
         if len(candidates) >= SCAN_GROUPS:
             break
     return sorted(candidates, key=lambda g: -(max(g.scores) - min(g.scores)))[:max_groups]
 
 
-def render_html(run_dir: str, *, metrics: list[dict], plots: list[tuple[str, str]],
-                samples: dict[int, list[SampleGroup]]) -> str:
+def render_html(
+    run_dir: str, *, metrics: list[dict], plots: list[tuple[str, str]], samples: dict[int, list[SampleGroup]]
+) -> str:
     esc = html.escape
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>batchrl report: {esc(run_dir)}</title>",
-             f"<style>{_CSS}</style></head><body><h1>batchrl run {esc(run_dir)}</h1>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>batchrl report: {esc(run_dir)}</title>",
+        f"<style>{_CSS}</style></head><body><h1>batchrl run {esc(run_dir)}</h1>",
+    ]
     summary = format_summary(metrics)
-    parts.append(f"<h2>Per iteration</h2><pre>{esc(summary)}</pre>" if summary else
-                 "<p>No iteration has finished yet (no metrics.jsonl).</p>")
-    parts += [f"<figure><img src='{esc(name)}' alt='{esc(title)}'><figcaption>{esc(title)}</figcaption></figure>"
-              for title, name in plots]
+    parts.append(
+        f"<h2>Per iteration</h2><pre>{esc(summary)}</pre>"
+        if summary
+        else "<p>No iteration has finished yet (no metrics.jsonl).</p>"
+    )
+    parts += [
+        f"<figure><img src='{esc(name)}' alt='{esc(title)}'><figcaption>{esc(title)}</figcaption></figure>"
+        for title, name in plots
+    ]
     parts.append("<h2>Sample completions (groups with the widest score spread; best and worst response)</h2>")
     for iteration, groups in samples.items():
         parts.append(f"<h3>iteration {iteration}</h3>")
@@ -202,9 +231,11 @@ def render_html(run_dir: str, *, metrics: list[dict], plots: list[tuple[str, str
             parts.append(
                 f"<div class='group'><div class='meta'>prompt {esc(group.prompt_id)} &middot; scores [{scores}]</div>"
                 f"<pre class='prompt'>{esc(_cut(group.prompt_text))}</pre>"
-                f"<div class='label'>best ({max(group.scores):.3g})</div><pre class='best'>{esc(_cut(group.best))}</pre>"
+                f"<div class='label'>best ({max(group.scores):.3g})</div>"
+                f"<pre class='best'>{esc(_cut(group.best))}</pre>"
                 f"<div class='label'>worst ({min(group.scores):.3g})</div>"
-                f"<pre class='worst'>{esc(_cut(group.worst))}</pre></div>")
+                f"<pre class='worst'>{esc(_cut(group.worst))}</pre></div>"
+            )
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -214,6 +245,8 @@ def _cut(text: str | None) -> str:
     return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS] + f" ... [{len(text)} characters]"
 
 
-_CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto} figure{display:inline-block;margin:.5em} "
-        "pre{white-space:pre-wrap;background:#f6f6f6;padding:.5em;margin:.2em 0} .group{border-top:1px solid #ccc;"
-        "padding:.5em 0} .meta,.label{color:#555;font-size:small} .best{background:#eefbea} .worst{background:#fbeaea}")
+_CSS = (
+    "body{font-family:sans-serif;max-width:1100px;margin:2em auto} figure{display:inline-block;margin:.5em} "
+    "pre{white-space:pre-wrap;background:#f6f6f6;padding:.5em;margin:.2em 0} .group{border-top:1px solid #ccc;"
+    "padding:.5em 0} .meta,.label{color:#555;font-size:small} .best{background:#eefbea} .worst{background:#fbeaea}"
+)

@@ -13,10 +13,18 @@ logger = logging.getLogger(__name__)
 
 # (header, metric name); accuracy is the first val-core/* metric found, when evaluation produced one
 COLUMNS = [
-    ("iter", "iteration"), ("score", "critic/score/mean"), ("accuracy", "val-core/*"),
-    ("resp_len", "response_length/mean"), ("pg_loss", "actor/pg_loss"), ("ppo_kl", "actor/ppo_kl"),
-    ("kl_loss", "actor/kl_loss"), ("entropy", "actor/entropy"), ("grad_norm", "actor/grad_norm"),
-    ("gen_s", "timing_s/gen"), ("update_s", "timing_s/update"), ("step_s", "timing_s/step"),
+    ("iter", "iteration"),
+    ("score", "critic/score/mean"),
+    ("accuracy", "val-core/*"),
+    ("resp_len", "response_length/mean"),
+    ("pg_loss", "actor/pg_loss"),
+    ("ppo_kl", "actor/ppo_kl"),
+    ("kl_loss", "actor/kl_loss"),
+    ("entropy", "actor/entropy"),
+    ("grad_norm", "actor/grad_norm"),
+    ("gen_s", "timing_s/gen"),
+    ("update_s", "timing_s/update"),
+    ("step_s", "timing_s/step"),
 ]
 
 

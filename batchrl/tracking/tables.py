@@ -12,8 +12,8 @@ import logging
 import re
 from dataclasses import dataclass
 
-from batchrl.storage.manifest import Manifest, read_manifest
 from batchrl.storage import RunLayout, join, resolve
+from batchrl.storage.manifest import Manifest, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,23 @@ def _tables_of(table_dir: str, label: str) -> list[TableInfo]:
     manifest: Manifest | None = read_manifest(table_dir)
     if manifest is None or not manifest.schema:
         return []
-    out = [TableInfo(label, table_dir, manifest.schema, [join(table_dir, p.name) for p in manifest.parts],
-                     manifest.num_rows)]
+    out = [
+        TableInfo(
+            label, table_dir, manifest.schema, [join(table_dir, p.name) for p in manifest.parts], manifest.num_rows
+        )
+    ]
     for name, parts in sorted(manifest.extra_parts.items()):
         if parts:  # e.g. ingest's rejects: schema <table>_<name> without the plural (prompt_rejects)
             schema = f"{manifest.schema.rstrip('s')}_{name}"
-            out.append(TableInfo(f"{label} {name}", join(table_dir, parts[0].name.rsplit("/", 1)[0]), schema,
-                                 [join(table_dir, p.name) for p in parts], sum(p.rows for p in parts)))
+            out.append(
+                TableInfo(
+                    f"{label} {name}",
+                    join(table_dir, parts[0].name.rsplit("/", 1)[0]),
+                    schema,
+                    [join(table_dir, p.name) for p in parts],
+                    sum(p.rows for p in parts),
+                )
+            )
     return out
 
 
@@ -69,5 +79,7 @@ def describe_run(run_dir: str) -> str:
     if not tables:
         return f"{run_dir}: no committed table (not a run directory, or no stage has finished)"
     width = max(len(t.label) for t in tables)
-    return "\n".join(f"{t.label:<{width}}  {t.num_rows:>9} rows  {len(t.files):>4} part(s)  schema {t.schema:<14} "
-                     f"{t.table_dir}" for t in tables)
+    return "\n".join(
+        f"{t.label:<{width}}  {t.num_rows:>9} rows  {len(t.files):>4} part(s)  schema {t.schema:<14} {t.table_dir}"
+        for t in tables
+    )

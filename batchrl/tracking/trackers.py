@@ -26,7 +26,8 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 from batchrl.config import ConfigError
 from batchrl.config.models import TrackingConfig
@@ -35,9 +36,11 @@ from batchrl.storage import is_local, join, resolve, upload_file, write_bytes_at
 logger = logging.getLogger(__name__)
 
 STEP_KEY = "iteration"  # the step itself, not logged as a metric
-PACKAGES = {"tensorboard": ("tensorboard", "pip install 'batchrl[tracking]'"),
-            "mlflow": ("mlflow", "pip install 'batchrl[mlflow]' (mlflow-skinny) or mlflow"),
-            "wandb": ("wandb", "pip install 'batchrl[wandb]'")}
+PACKAGES = {
+    "tensorboard": ("tensorboard", "pip install 'batchrl[tracking]'"),
+    "mlflow": ("mlflow", "pip install 'batchrl[mlflow]' (mlflow-skinny) or mlflow"),
+    "wandb": ("wandb", "pip install 'batchrl[wandb]'"),
+}
 
 
 class Tracker(Protocol):
@@ -57,17 +60,22 @@ def check_tracking(cfg: TrackingConfig, *, run_dir: str) -> list[str]:
             if name == "tensorboard" and "backends" not in cfg.model_fields_set:
                 logger.warning("tensorboard is not installed: no event files for this run (%s)", install)
                 continue
-            raise ConfigError(f"tracking.backends lists {name}, but the {module} package is not installed: {install}, "
-                              f"or remove {name} from tracking.backends")
+            raise ConfigError(
+                f"tracking.backends lists {name}, but the {module} package is not installed: {install}, "
+                f"or remove {name} from tracking.backends"
+            )
         names.append(name)
     if "mlflow" in names and not is_local(run_dir) and not _mlflow_uri(cfg, run_dir=None):
-        raise ConfigError(f"tracking.backends lists mlflow for a run on object storage ({run_dir}): set "
-                          "tracking.mlflow_tracking_uri (or $MLFLOW_TRACKING_URI) to an MLflow server or database")
+        raise ConfigError(
+            f"tracking.backends lists mlflow for a run on object storage ({run_dir}): set "
+            "tracking.mlflow_tracking_uri (or $MLFLOW_TRACKING_URI) to an MLflow server or database"
+        )
     return names
 
 
-def make_trackers(cfg: TrackingConfig, *, run_dir: str, run_id: str, config_dict: dict,
-                  skip_failing: bool = False) -> list[Tracker]:
+def make_trackers(
+    cfg: TrackingConfig, *, run_dir: str, run_id: str, config_dict: dict, skip_failing: bool = False
+) -> list[Tracker]:
     """Opens the configured trackers (ConfigError when one cannot work here). Close them with close().
 
     ``skip_failing``: a backend that fails to open for another reason (an MLflow server down) is left out with
@@ -75,21 +83,31 @@ def make_trackers(cfg: TrackingConfig, *, run_dir: str, run_id: str, config_dict
     experiment = cfg.experiment or str(config_dict.get("name") or run_id)
     openers = {
         "tensorboard": lambda: TensorBoardTracker(run_dir=run_dir),
-        "mlflow": lambda: MlflowTracker(tracking_uri=_mlflow_uri(cfg, run_dir=run_dir), experiment=experiment,
-                                        run_dir=run_dir, run_id=run_id, config_dict=config_dict),
-        "wandb": lambda: WandbTracker(mode=cfg.wandb_mode, project=experiment, run_dir=run_dir, run_id=run_id,
-                                      config_dict=config_dict),
+        "mlflow": lambda: MlflowTracker(
+            tracking_uri=_mlflow_uri(cfg, run_dir=run_dir),
+            experiment=experiment,
+            run_dir=run_dir,
+            run_id=run_id,
+            config_dict=config_dict,
+        ),
+        "wandb": lambda: WandbTracker(
+            mode=cfg.wandb_mode, project=experiment, run_dir=run_dir, run_id=run_id, config_dict=config_dict
+        ),
     }
     trackers: list[Tracker] = []
     try:
         for name in check_tracking(cfg, run_dir=run_dir):
             try:
                 trackers.append(openers[name]())
-            except Exception as err:  # noqa: BLE001 — re-raised unless skip_failing
+            except Exception as err:
                 if not skip_failing:
                     raise
-                logger.warning("tracker %s could not be opened (%s: %s): this run goes on without it", name,
-                               type(err).__name__, err)
+                logger.warning(
+                    "tracker %s could not be opened (%s: %s): this run goes on without it",
+                    name,
+                    type(err).__name__,
+                    err,
+                )
     except BaseException:
         for tracker in trackers:
             _close_quietly(tracker)
@@ -108,9 +126,13 @@ class Trackers:
         for tracker in list(self.trackers):
             try:
                 tracker.log(metrics, step=step)
-            except Exception as err:  # noqa: BLE001 — a metrics sink must not stop training
-                logger.warning("%s failed (%s: %s); it gets no more metrics in this run", type(tracker).__name__,
-                               type(err).__name__, err)
+            except Exception as err:
+                logger.warning(
+                    "%s failed (%s: %s); it gets no more metrics in this run",
+                    type(tracker).__name__,
+                    type(err).__name__,
+                    err,
+                )
                 self.trackers.remove(tracker)
                 _close_quietly(tracker)
 
@@ -123,7 +145,7 @@ class Trackers:
 def _close_quietly(tracker: Tracker) -> None:
     try:
         tracker.close()
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         logger.warning("closing %s failed: %s: %s", type(tracker).__name__, type(err).__name__, err)
 
 
@@ -260,16 +282,18 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri)
         self.ledger = Ledger(run_dir, "mlflow")
-        self.run_id = self.ledger.state.get("mlflow_run_id") if self.ledger.state.get("tracking_uri") == tracking_uri \
-            else None
+        self.run_id = (
+            self.ledger.state.get("mlflow_run_id") if self.ledger.state.get("tracking_uri") == tracking_uri else None
+        )
         if self.run_id is None:
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-            self.run_id = self.client.create_run(experiment_id, run_name=run_id,
-                                                 tags={"batchrl.run_dir": run_dir}).info.run_id
+            self.run_id = self.client.create_run(
+                experiment_id, run_name=run_id, tags={"batchrl.run_dir": run_dir}
+            ).info.run_id
             params = [Param(k, v[:6000]) for k, v in flatten(config_dict).items()]
             for start in range(0, len(params), 100):  # MLflow's batch limit
-                self.client.log_batch(self.run_id, params=params[start:start + 100])
+                self.client.log_batch(self.run_id, params=params[start : start + 100])
             self.ledger.state.update(mlflow_run_id=self.run_id, tracking_uri=tracking_uri, steps={})
             self.ledger.save()
         else:
@@ -284,7 +308,7 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         batch = [Metric(_mlflow_key(k), v, now, step) for k, v in values.items()]
         for start in range(0, len(batch), 1000):  # MLflow's batch limit
-            self.client.log_batch(self.run_id, metrics=batch[start:start + 1000])
+            self.client.log_batch(self.run_id, metrics=batch[start : start + 1000])
         self.ledger.record(step, values)
 
     def close(self) -> None:
@@ -305,9 +329,15 @@ class WandbTracker:
         self.ledger = Ledger(run_dir, "wandb")
         self.mirror = LocalMirror(run_dir, "wandb")
         self.init_kwargs = {
-            "mode": mode, "dir": self.mirror.root, "project": project, "name": run_id, "resume": "allow",
+            "mode": mode,
+            "dir": self.mirror.root,
+            "project": project,
+            "name": run_id,
+            "resume": "allow",
             "id": re.sub(r"[^A-Za-z0-9_-]", "-", run_id)[:48] + "-" + hashlib.sha256(run_dir.encode()).hexdigest()[:8],
-            "config": config_dict, "reinit": "create_new"}
+            "config": config_dict,
+            "reinit": "create_new",
+        }
         self.run = None
         self.pending: dict[int, dict[str, float]] = {}  # recorded in the ledger once finish() has flushed them
 
@@ -318,8 +348,14 @@ class WandbTracker:
         if self.run is None:
             import wandb
 
-            settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True,
-                                      save_code=False, x_disable_machine_info=True)
+            settings = wandb.Settings(
+                console="off",
+                silent=True,
+                x_disable_stats=True,
+                disable_git=True,
+                save_code=False,
+                x_disable_machine_info=True,
+            )
             self.run = wandb.init(settings=settings, **self.init_kwargs)  # writes <dir>/wandb/
         self.run.log(values, step=step)
         self.pending[step] = values

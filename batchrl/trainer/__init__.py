@@ -17,6 +17,7 @@ the log-probs table), `integrity` (trainer-state checksums), `progress_file` (ra
 read by the launcher for a progress bar).
 Importing this package does not import torch.
 """
+
 from batchrl.trainer.launch import run_update, shutdown_trainers
 from batchrl.trainer.spec import UpdateSpec
 

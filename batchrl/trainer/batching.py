@@ -169,7 +169,10 @@ def _cut_by_token_budget(order: list[int], lengths_N: np.ndarray, *, max_tokens:
     if too_long:
         logger.warning(
             "%d sample(s) are longer than max_tokens_per_micro_batch=%d (longest %d tokens); each gets a micro-batch "
-            "of its own. Raise the budget if that runs out of memory", too_long, max_tokens, int(lengths_N.max())
+            "of its own. Raise the budget if that runs out of memory",
+            too_long,
+            max_tokens,
+            int(lengths_N.max()),
         )
     return chunks[::-1]
 

@@ -75,12 +75,16 @@ class Samples:
     @cached_property
     def loss_tokens_N(self) -> np.ndarray:
         """Response tokens per sample that are in the loss (all but a first token with no prompt before it)."""
-        return np.array([len(r) - (len(p) == 0 and len(r) > 0)
-                         for p, r in zip(self.prompt_token_ids, self.response_token_ids)], dtype=np.int64)
+        return np.array(
+            [len(r) - (len(p) == 0 and len(r) > 0) for p, r in zip(self.prompt_token_ids, self.response_token_ids)],
+            dtype=np.int64,
+        )
 
     def flat_rollout_logprobs(self) -> np.ndarray:
         """The engine's per-token log-probs as one flat array (lengths checked by check_advantages)."""
-        return np.concatenate([np.asarray(lp, dtype=np.float32) for lp in self.rollout_logprobs] + [np.zeros(0, dtype=np.float32)])
+        return np.concatenate(
+            [np.asarray(lp, dtype=np.float32) for lp in self.rollout_logprobs] + [np.zeros(0, dtype=np.float32)]
+        )
 
 
 def read_advantages(paths: list[str]) -> pa.Table:
@@ -189,8 +193,9 @@ def collate(
     """One row per sample: prompt + response, right-padded; `token_values` (flat per-token arrays) are laid out
     like the labels. An empty index list gives a one-row, fully masked batch (a padding micro-batch: FSDP still
     needs the forward/backward collectives)."""
-    return collate_packs(samples, [[i] for i in indices], pad_token_id=pad_token_id, device=device,
-                         token_values=token_values)
+    return collate_packs(
+        samples, [[i] for i in indices], pad_token_id=pad_token_id, device=device, token_values=token_values
+    )
 
 
 def collate_packs(
@@ -213,8 +218,9 @@ def collate_packs(
     token_values = token_values or {}
     indices = [i for pack in packs for i in pack]
     rows = max(1, len(packs))
-    lengths = [len(samples.prompt_token_ids[pack[0]]) + sum(len(samples.response_token_ids[i]) for i in pack)
-               for pack in packs]
+    lengths = [
+        len(samples.prompt_token_ids[pack[0]]) + sum(len(samples.response_token_ids[i]) for i in pack) for pack in packs
+    ]
     seq_len = max([2] + lengths)
     num_samples, max_response = max(1, len(indices)), max([1] + [len(samples.response_token_ids[i]) for i in indices])
     packed = any(len(pack) > 1 for pack in packs)

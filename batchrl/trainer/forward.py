@@ -37,14 +37,24 @@ def micro_batch_plan(
 
 
 def pack_plan(
-    samples: Samples, indices: Sequence[int], *, share_prompt: bool, world_size: int, max_tokens: int | None = None,
+    samples: Samples,
+    indices: Sequence[int],
+    *,
+    share_prompt: bool,
+    world_size: int,
+    max_tokens: int | None = None,
     max_samples: int | None = None,
 ) -> list[list[list[list[int]]]]:
     """`micro_batch_plan` without a spec: packs (with share_prompt, filled up to max_tokens) planned into
     micro-batches by `batching.plan_micro_batches` with the budget given."""
     if share_prompt:
-        packs = prompt_packs(indices, prompt_key_N=samples.prompt_key_N, prompt_lengths_N=samples.prompt_lengths_N,
-                             response_lengths_N=samples.response_lengths_N, max_tokens=max_tokens)
+        packs = prompt_packs(
+            indices,
+            prompt_key_N=samples.prompt_key_N,
+            prompt_lengths_N=samples.prompt_lengths_N,
+            response_lengths_N=samples.response_lengths_N,
+            max_tokens=max_tokens,
+        )
     else:
         packs = [[int(i)] for i in indices]
     lengths = [int(samples.prompt_lengths_N[pack[0]] + samples.response_lengths_N[pack].sum()) for pack in packs]
@@ -52,9 +62,7 @@ def pack_plan(
     return [[[packs[j] for j in chunk] for chunk in micro_batches] for micro_batches in plan]
 
 
-def policy_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, *, entropy_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(response token), entropy), both [samples, response tokens] float32; entropy has grad only if asked.
 
     The lm_head runs only from the first position a response token needs (`logits_to_keep`, when the model
@@ -64,7 +72,8 @@ def policy_logprobs(
     if attention_mask.dim() == 4 and attention_implementation(model) == "eager":
         # eager attention adds the mask to the scores: True/False would add 1/0, not allow/forbid
         attention_mask = torch.zeros(attention_mask.shape, device=attention_mask.device).masked_fill_(
-            ~attention_mask, torch.finfo(torch.float32).min)
+            ~attention_mask, torch.finfo(torch.float32).min
+        )
     inputs = dict(input_ids=mb.input_ids_BL, attention_mask=attention_mask, use_cache=False)
     if mb.position_ids_BL is not None:
         inputs["position_ids"] = mb.position_ids_BL
@@ -89,5 +98,7 @@ def check_attention(model: torch.nn.Module, *, share_prompt: bool) -> None:
     """Shared-prompt rows need a custom [B, 1, L, L] mask, which flash-attention kernels do not take."""
     implementation = attention_implementation(model)
     if share_prompt and implementation not in ("sdpa", "eager"):
-        raise ValueError(f"update.share_prompt needs the sdpa or eager attention; this model uses {implementation!r}. "
-                         "Set update.share_prompt: false")
+        raise ValueError(
+            f"update.share_prompt needs the sdpa or eager attention; this model uses {implementation!r}. "
+            "Set update.share_prompt: false"
+        )

@@ -34,8 +34,10 @@ def init_distributed(spec: UpdateSpec) -> Dist:
     """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (set by the launcher)."""
     backend = resolve_backend(spec.update.backend)
     if spec.update.cpu_offload and backend != "nccl":  # "auto" resolved here, on the rank's own host
-        raise ValueError("cpu_offload=True needs GPUs (the nccl backend); on CPU the parameters already live in "
-                         "host memory. Set update.cpu_offload=false")
+        raise ValueError(
+            "cpu_offload=True needs GPUs (the nccl backend); on CPU the parameters already live in "
+            "host memory. Set update.cpu_offload=false"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         device = torch.device("cuda", local_rank)

@@ -47,8 +47,11 @@ def check_digests(expected: dict[str, str], actual: dict[str, str]) -> None:
         if name not in actual:
             raise TrainerStateError(name, "missing")
         if actual[name] != expected[name]:
-            raise TrainerStateError(name, f"sha256 {actual[name][:16]}... is not the {expected[name][:16]}... "
-                                          "recorded when it was written (modified or corrupted since)")
+            raise TrainerStateError(
+                name,
+                f"sha256 {actual[name][:16]}... is not the {expected[name][:16]}... "
+                "recorded when it was written (modified or corrupted since)",
+            )
 
 
 def verify_dir(root: str | Path, expected: dict[str, str]) -> None:

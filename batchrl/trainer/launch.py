@@ -29,9 +29,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from batchrl.trainer.integrity import error_path, read_error
 from batchrl.trainer.progress_file import ProgressReader
@@ -170,8 +171,10 @@ def _get_pool(spec: UpdateSpec) -> _Pool:
     if _POOL is None:
         log_dir = Path(tempfile.mkdtemp(prefix="batchrl-trainers-"))
         port = _free_port()
-        workers = [_start_worker(None, rank=rank, world_size=spec.update.num_processes, port=port, log_dir=log_dir)
-                   for rank in range(spec.update.num_processes)]
+        workers = [
+            _start_worker(None, rank=rank, world_size=spec.update.num_processes, port=port, log_dir=log_dir)
+            for rank in range(spec.update.num_processes)
+        ]
         _POOL = _Pool(key=key, workers=workers, log_dir=log_dir)
         logger.info("started %d resident update rank(s)", spec.update.num_processes)
     return _POOL
@@ -196,15 +199,20 @@ def _run_on_pool(
         except OSError as error:  # a rank died between the liveness check and now; the wait reports it
             logger.debug("sending the update to the resident ranks failed: %r", error)
         done_files = {w["rank"]: Path(f"{spec_path}.rank{w['rank']}.done") for w in pool.workers}
-        failure = _wait_for_workers(pool.workers, timeout_s=timeout_s, on_poll=poll_progress,
-                                    done=lambda w: done_files[w["rank"]].exists())
+        failure = _wait_for_workers(
+            pool.workers, timeout_s=timeout_s, on_poll=poll_progress, done=lambda w: done_files[w["rank"]].exists()
+        )
         if poll_progress is not None:
             poll_progress()
         if failure is not None:
             raise _failure(spec, failure)
         pool.updates += 1
-        logger.info("update finished in %.1f s on %d resident process(es) (update %d of these ranks)",
-                    time.perf_counter() - started, len(pool.workers), pool.updates)
+        logger.info(
+            "update finished in %.1f s on %d resident process(es) (update %d of these ranks)",
+            time.perf_counter() - started,
+            len(pool.workers),
+            pool.updates,
+        )
     except BaseException:
         _POOL = None
         pool.close()
@@ -331,7 +339,7 @@ def _progress_poller(reader: ProgressReader, on_progress: Callable[[dict[str, An
         try:
             for record in reader.poll():
                 on_progress(record)
-        except Exception as error:  # noqa: BLE001 - progress display only; the update goes on
+        except Exception as error:
             broken = True
             logger.warning("update progress display off after an error: %r", error)
 
@@ -369,8 +377,10 @@ def _wait_for_workers(
         if finished:
             return None
         if deadline is not None and time.monotonic() > deadline:
-            return (f"update timed out after {timeout_s} s; rank 0 stderr tail:\n"
-                    f"{_tail(workers[0]['stderr_path'], start=workers[0].get('log_offset', 0))}")
+            return (
+                f"update timed out after {timeout_s} s; rank 0 stderr tail:\n"
+                f"{_tail(workers[0]['stderr_path'], start=workers[0].get('log_offset', 0))}"
+            )
         time.sleep(POLL_INTERVAL_S)
 
 

@@ -40,9 +40,10 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file, write_bytes_atomic
 from batchrl.storage.cluster import Probe, alive_nodes, describe, unshared_paths
@@ -97,8 +98,9 @@ def run_update_on_ray(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     bundle = {"CPU": float(cpus_per_rank)} | ({"GPU": 1.0} if spec.update.backend == "nccl" else {})
     started = time.perf_counter()
-    group = ray.util.placement_group([dict(bundle) for _ in range(spec.update.num_processes)],
-                                     strategy=placement_strategy)
+    group = ray.util.placement_group(
+        [dict(bundle) for _ in range(spec.update.num_processes)], strategy=placement_strategy
+    )
     try:
         _wait_for_placement(group, bundle=bundle, spec=spec, deadline=deadline, timeout_s=timeout_s)
         results = _run_ranks(group, spec, bundle=bundle, deadline=deadline, timeout_s=timeout_s)
@@ -107,8 +109,12 @@ def run_update_on_ray(
     metrics = results[0]["metrics"]
     write_bytes_atomic(spec.metrics_path, json.dumps(metrics, indent=2, sort_keys=True).encode())
     nodes = sorted({r["node_ip"] for r in results})
-    logger.info("update finished in %.1f s on %d Ray worker(s) on node(s) %s", time.perf_counter() - started,
-                len(results), ", ".join(nodes))
+    logger.info(
+        "update finished in %.1f s on %d Ray worker(s) on node(s) %s",
+        time.perf_counter() - started,
+        len(results),
+        ", ".join(nodes),
+    )
     return RayUpdateResult(metrics=metrics, uploaded=[f for r in results for f in r["uploaded"]])
 
 
@@ -119,16 +125,31 @@ def check_reachable_from_all_nodes(spec: UpdateSpec, *, num_nodes: int, probe: P
     A policy that is not a local directory on the driver (a hub id) is fine: every node downloads it itself."""
     if num_nodes <= 1:
         return
-    writes = {uri: name for name, uri in (("policy_out", spec.policy_out), ("trainer_state_out", spec.trainer_state_out),
-                                          ("logprobs_out", spec.logprobs_out)) if uri is not None and is_local(uri)}
-    reads = {uri: name for name, uri in (("policy_in", spec.policy_in), ("reference_policy", spec.reference_policy))
-             if uri is not None and is_local(uri) and os.path.exists(uri.removeprefix("file://"))}
-    reads |= {uri: name for name, uri in [("trainer_state_in", spec.trainer_state_in)] +
-              [("advantages_files", uri) for uri in spec.advantages_files] if uri is not None and is_local(uri)}
+    writes = {
+        uri: name
+        for name, uri in (
+            ("policy_out", spec.policy_out),
+            ("trainer_state_out", spec.trainer_state_out),
+            ("logprobs_out", spec.logprobs_out),
+        )
+        if uri is not None and is_local(uri)
+    }
+    reads = {
+        uri: name
+        for name, uri in (("policy_in", spec.policy_in), ("reference_policy", spec.reference_policy))
+        if uri is not None and is_local(uri) and os.path.exists(uri.removeprefix("file://"))
+    }
+    reads |= {
+        uri: name
+        for name, uri in [("trainer_state_in", spec.trainer_state_in)]
+        + [("advantages_files", uri) for uri in spec.advantages_files]
+        if uri is not None and is_local(uri)
+    }
     if not writes and not reads:
         return
-    unshared = (probe or unshared_paths)([u.removeprefix("file://") for u in writes],
-                                         [u.removeprefix("file://") for u in reads])
+    unshared = (probe or unshared_paths)(
+        [u.removeprefix("file://") for u in writes], [u.removeprefix("file://") for u in reads]
+    )
     if unshared:
         names = {uri.removeprefix("file://"): name for uri, name in (writes | reads).items()}
         raise ValueError(
@@ -161,8 +182,14 @@ class RankActor:
         hf_logging.disable_progress_bar()  # as the worker's main does: bars in a Ray actor's log are noise
 
         # One process per bundle; with nccl, Ray makes the bundle's one GPU the only visible device: local rank 0.
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(spec.update.num_processes), LOCAL_RANK="0",
-                          LOCAL_WORLD_SIZE="1", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(spec.update.num_processes),
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
         with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{rank}-") as scratch:
             local_spec = stage_inputs(spec, Path(scratch))
             metrics = run(local_spec)
@@ -182,8 +209,10 @@ def stage_inputs(spec: UpdateSpec, scratch: Path) -> UpdateSpec:
         spec,
         policy_in=local_copy(spec.policy_in),
         reference_policy=None if spec.reference_policy is None else local_copy(spec.reference_policy),
-        advantages_files=[_local_file(uri, scratch / "advantages" / f"{i:05d}-{uri.rsplit('/', 1)[-1]}")
-                          for i, uri in enumerate(spec.advantages_files)],
+        advantages_files=[
+            _local_file(uri, scratch / "advantages" / f"{i:05d}-{uri.rsplit('/', 1)[-1]}")
+            for i, uri in enumerate(spec.advantages_files)
+        ],
         trainer_state_in=trainer_state_in,
         policy_out=str(scratch / "policy"),
         metrics_path=str(scratch / "metrics.json"),
@@ -206,8 +235,9 @@ def upload_outputs(local_spec: UpdateSpec, spec: UpdateSpec, *, rank: int) -> li
     return uploaded
 
 
-def _run_ranks(group, spec: UpdateSpec, *, bundle: dict, deadline: float | None,
-               timeout_s: float | None) -> list[dict[str, Any]]:
+def _run_ranks(
+    group, spec: UpdateSpec, *, bundle: dict, deadline: float | None, timeout_s: float | None
+) -> list[dict[str, Any]]:
     """Start one actor per bundle, run the update on all of them, kill them whatever happens."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -215,9 +245,12 @@ def _run_ranks(group, spec: UpdateSpec, *, bundle: dict, deadline: float | None,
     actor_class = ray.remote(RankActor)
     actors = [
         actor_class.options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
-                                                                 placement_group_bundle_index=rank),
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=rank
+            ),
         ).remote()
         for rank in range(spec.update.num_processes)
     ]
@@ -225,10 +258,13 @@ def _run_ranks(group, spec: UpdateSpec, *, bundle: dict, deadline: float | None,
         pending = [actors[0].rendezvous.remote()]
         master = _wait_for_ranks(pending, ranks={pending[0]: 0}, deadline=deadline, timeout_s=timeout_s)
         master_addr, master_port = master[0]
-        refs = [actor.update.remote(spec, rank=rank, master_addr=master_addr, master_port=master_port)
-                for rank, actor in enumerate(actors)]
-        results = _wait_for_ranks(refs, ranks={ref: rank for rank, ref in enumerate(refs)}, deadline=deadline,
-                                  timeout_s=timeout_s)
+        refs = [
+            actor.update.remote(spec, rank=rank, master_addr=master_addr, master_port=master_port)
+            for rank, actor in enumerate(actors)
+        ]
+        results = _wait_for_ranks(
+            refs, ranks={ref: rank for rank, ref in enumerate(refs)}, deadline=deadline, timeout_s=timeout_s
+        )
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
@@ -245,8 +281,10 @@ def _wait_for_ranks(refs: list, *, ranks: dict, deadline: float | None, timeout_
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         done, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not done:
-            raise RuntimeError(f"update timed out after {timeout_s} s on Ray (update.timeout_s); ranks still "
-                               f"running: {sorted(ranks[ref] for ref in pending)}")
+            raise RuntimeError(
+                f"update timed out after {timeout_s} s on Ray (update.timeout_s); ranks still "
+                f"running: {sorted(ranks[ref] for ref in pending)}"
+            )
         rank = ranks[done[0]]
         try:
             results[rank] = ray.get(done[0])
@@ -258,8 +296,9 @@ def _wait_for_ranks(refs: list, *, ranks: dict, deadline: float | None, timeout_
     return results
 
 
-def _wait_for_placement(group, *, bundle: dict, spec: UpdateSpec, deadline: float | None,
-                        timeout_s: float | None) -> None:
+def _wait_for_placement(
+    group, *, bundle: dict, spec: UpdateSpec, deadline: float | None, timeout_s: float | None
+) -> None:
     import ray
 
     left = None if deadline is None else deadline - time.monotonic()
@@ -267,8 +306,10 @@ def _wait_for_placement(group, *, bundle: dict, spec: UpdateSpec, deadline: floa
     ready, _ = ray.wait([group.ready()], timeout=max(0.0, wait_s))
     if not ready and left is not None and left < PLACEMENT_TIMEOUT_S:
         # The update's own deadline ran out first: a timeout, whatever the cluster could have placed later.
-        raise RuntimeError(f"update timed out after {timeout_s} s on Ray (update.timeout_s) while Ray was placing "
-                           f"{spec.update.num_processes} rank(s) of {bundle}")
+        raise RuntimeError(
+            f"update timed out after {timeout_s} s on Ray (update.timeout_s) while Ray was placing "
+            f"{spec.update.num_processes} rank(s) of {bundle}"
+        )
     if not ready:
         raise RuntimeError(
             f"update: Ray could not place {spec.update.num_processes} rank(s) of {bundle} (update.num_processes x "
@@ -279,7 +320,7 @@ def _wait_for_placement(group, *, bundle: dict, spec: UpdateSpec, deadline: floa
 
 
 def _cluster_backend(backend: str) -> str:
-    """"auto" on a cluster: nccl when the cluster has GPUs (the driver's host may have none), else gloo."""
+    """ "auto" on a cluster: nccl when the cluster has GPUs (the driver's host may have none), else gloo."""
     if backend != "auto":
         return backend
     import ray
@@ -301,15 +342,17 @@ def _local_dir(uri: str, target: Path) -> str:
         return uri.removeprefix("file://")
     fs, path = resolve(uri)
     for remote in fs.find(path):
-        local = target / remote[len(path.rstrip("/")) + 1:]
+        local = target / remote[len(path.rstrip("/")) + 1 :]
         local.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(remote, str(local))
     return str(target)
 
 
 def _upload_dir(local_dir: Path, uri: str) -> list[UploadedFile]:
-    return [_upload(path, join(uri, path.relative_to(local_dir).as_posix()))
-            for path in sorted(p for p in local_dir.rglob("*") if p.is_file())]
+    return [
+        _upload(path, join(uri, path.relative_to(local_dir).as_posix()))
+        for path in sorted(p for p in local_dir.rglob("*") if p.is_file())
+    ]
 
 
 def _upload(path: Path, uri: str) -> UploadedFile:

@@ -25,8 +25,9 @@ def load_frozen_model(path: str) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def response_logprobs(model: torch.nn.Module, samples: Samples, *, pad_token_id: int, max_tokens: int = 8192,
-                      share_prompt: bool = False) -> np.ndarray:
+def response_logprobs(
+    model: torch.nn.Module, samples: Samples, *, pad_token_id: int, max_tokens: int = 8192, share_prompt: bool = False
+) -> np.ndarray:
     """Flat float32 array (samples.response_offsets_N1 layout): log p(token) of every response token.
 
     `share_prompt`: a row holds a prompt once, then several of its samples' responses (up to `max_tokens`)."""

@@ -62,11 +62,14 @@ class UpdateSpec:
         if self.num_iterations < 1:
             raise ValueError(f"UpdateSpec.num_iterations={self.num_iterations} must be >= 1")
         if self.update.kl_loss_coef > 0 and not self.reference_policy:
-            raise ValueError("update.kl_loss_coef > 0 needs UpdateSpec.reference_policy (the frozen reference "
-                             "checkpoint)")
+            raise ValueError(
+                "update.kl_loss_coef > 0 needs UpdateSpec.reference_policy (the frozen reference checkpoint)"
+            )
         if self.update.loss_agg_mode == "seq-mean-token-sum-norm" and self.update.loss_agg_norm_length is None:
-            raise ValueError("update.loss_agg_mode='seq-mean-token-sum-norm' needs update.loss_agg_norm_length in the "
-                             "spec (the update stage resolves it to generate.max_new_tokens)")
+            raise ValueError(
+                "update.loss_agg_mode='seq-mean-token-sum-norm' needs update.loss_agg_norm_length in the "
+                "spec (the update stage resolves it to generate.max_new_tokens)"
+            )
 
     def with_update(self, **options: Any) -> UpdateSpec:
         """This spec with `options` changed in `update`, validated as UpdateConfig validates a user's options."""

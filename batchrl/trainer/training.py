@@ -59,8 +59,9 @@ def pg_token_losses(
     old_logprobs_SR, mask_SR = mb.token_values_SR["old"], mb.response_mask_SR
     clip = dict(clip_ratio_low=update.clip_ratio_low, clip_ratio_high=update.clip_ratio_high)
     if update.policy_loss == "gspo":
-        pg_losses_SR, is_clipped_SR, _ = gspo_token_losses(logprobs_SR, old_logprobs_SR, mb.advantages_SR, mask_SR,
-                                                           **clip)
+        pg_losses_SR, is_clipped_SR, _ = gspo_token_losses(
+            logprobs_SR, old_logprobs_SR, mb.advantages_SR, mask_SR, **clip
+        )
     else:
         pg_losses_SR, is_clipped_SR, _ = ppo_clip_token_losses(
             logprobs_SR, old_logprobs_SR, mb.advantages_SR, dual_clip_ratio=update.dual_clip_ratio, **clip
@@ -73,15 +74,20 @@ def micro_batch_backward(
 ) -> torch.Tensor:
     """Forward + backward of one micro-batch's share of the mini-batch loss; returns its SUM_NAMES sums."""
     update = spec.update
-    agg = dict(mode=update.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=max(num_seqs, 1),
-               norm_length=update.loss_agg_norm_length)
+    agg = dict(
+        mode=update.loss_agg_mode,
+        num_global_tokens=num_tokens,
+        num_global_seqs=max(num_seqs, 1),
+        norm_length=update.loss_agg_norm_length,
+    )
     mask_SR = mb.response_mask_SR
     logprobs_SR, entropy_SR = policy_logprobs(model, mb, entropy_grad=update.entropy_coeff > 0)
     pg_losses_SR, is_clipped_SR = pg_token_losses(logprobs_SR, mb, spec=spec)
     is_weights_SR = mask_SR.float()
     if update.rollout_is_cap is not None:
-        is_weights_SR = truncated_is_weights(mb.token_values_SR["old"], mb.token_values_SR["rollout"], mask_SR,
-                                             cap=update.rollout_is_cap)
+        is_weights_SR = truncated_is_weights(
+            mb.token_values_SR["old"], mb.token_values_SR["rollout"], mask_SR, cap=update.rollout_is_cap
+        )
         pg_losses_SR = pg_losses_SR * is_weights_SR
     pg_loss = aggregate_token_losses(pg_losses_SR, mask_SR, **agg)
     loss = pg_loss
@@ -94,17 +100,19 @@ def micro_batch_backward(
         loss = loss + update.kl_loss_coef * kl_loss
     loss.backward()
     ppo_kl_sum = approx_kl(logprobs_SR.detach(), mb.token_values_SR["old"], mask_SR) * mask_SR.sum()
-    return torch.stack([
-        loss.detach().double(),
-        pg_loss.detach().double(),
-        kl_loss.detach().double(),
-        (is_clipped_SR & mask_SR).sum().double(),
-        ppo_kl_sum.double(),
-        entropy_SR.detach().masked_fill(~mask_SR, 0).sum().double(),
-        is_weights_SR.masked_fill(~mask_SR, 0).sum().double(),
-        torch.tensor(float(mb.padded_tokens), dtype=torch.float64, device=pg_loss.device),
-        torch.tensor(float(mb.real_tokens if mb.indices else 0), dtype=torch.float64, device=pg_loss.device),
-    ])
+    return torch.stack(
+        [
+            loss.detach().double(),
+            pg_loss.detach().double(),
+            kl_loss.detach().double(),
+            (is_clipped_SR & mask_SR).sum().double(),
+            ppo_kl_sum.double(),
+            entropy_SR.detach().masked_fill(~mask_SR, 0).sum().double(),
+            is_weights_SR.masked_fill(~mask_SR, 0).sum().double(),
+            torch.tensor(float(mb.padded_tokens), dtype=torch.float64, device=pg_loss.device),
+            torch.tensor(float(mb.real_tokens if mb.indices else 0), dtype=torch.float64, device=pg_loss.device),
+        ]
+    )
 
 
 def optimizer_step(
@@ -186,10 +194,16 @@ def lr_schedule_for(spec: UpdateSpec, *, steps_per_update: int) -> dict:
     """lr_at_step's keyword arguments: the schedule spans update.lr_total_steps, else num_iterations updates."""
     update = spec.update
     total_steps = update.lr_total_steps or spec.num_iterations * steps_per_update
-    warmup_steps = resolve_warmup_steps(warmup_steps=update.lr_warmup_steps, warmup_ratio=update.lr_warmup_ratio,
-                                        total_steps=total_steps)
-    return dict(lr=update.lr, schedule=update.lr_schedule, total_steps=total_steps,
-                min_lr_ratio=update.min_lr_ratio, warmup_steps=warmup_steps)
+    warmup_steps = resolve_warmup_steps(
+        warmup_steps=update.lr_warmup_steps, warmup_ratio=update.lr_warmup_ratio, total_steps=total_steps
+    )
+    return dict(
+        lr=update.lr,
+        schedule=update.lr_schedule,
+        total_steps=total_steps,
+        min_lr_ratio=update.min_lr_ratio,
+        warmup_steps=warmup_steps,
+    )
 
 
 def train(
@@ -217,14 +231,24 @@ def train(
     for epoch in range(spec.update.ppo_epochs):
         for indices in mini_batches(samples.group_N, epoch=epoch, **batches):
             lr, started = lr_at_step(step, **schedule), time.perf_counter()
-            metrics = optimizer_step(model, optimizer, samples, indices, token_values, spec=spec, ctx=ctx,
-                                     pad_token_id=pad_token_id, lr=lr)
+            metrics = optimizer_step(
+                model, optimizer, samples, indices, token_values, spec=spec, ctx=ctx, pad_token_id=pad_token_id, lr=lr
+            )
             done += 1
             if metrics is None:
                 progress.write({"phase": "train", "done": done, "total": steps_per_update})
                 continue
-            progress.write({"phase": "train", "done": done, "total": steps_per_update, "global_step": step + 1,
-                            "pg_loss": metrics["actor/pg_loss"], "grad_norm": metrics["actor/grad_norm"], "lr": lr})
+            progress.write(
+                {
+                    "phase": "train",
+                    "done": done,
+                    "total": steps_per_update,
+                    "global_step": step + 1,
+                    "pg_loss": metrics["actor/pg_loss"],
+                    "grad_norm": metrics["actor/grad_norm"],
+                    "lr": lr,
+                }
+            )
             step_metrics.append(metrics | {"actor/lr": lr, "perf/step_time_s": time.perf_counter() - started})
             step += 1
             logger.info("epoch %d, step %d: %s", epoch, step, metrics)
@@ -236,8 +260,11 @@ def train(
 def summarize(step_metrics: list[dict[str, float]], *, spec: UpdateSpec, global_step: int) -> dict[str, float]:
     """Means over optimizer steps of the per-step metrics; the last lr; the fastest step; token totals."""
     summed = {"perf/padded_tokens", "perf/real_tokens"}
-    metrics = {name: sum(m[name] for m in step_metrics) / len(step_metrics)
-               for name in step_metrics[0] if name not in summed | {"actor/lr"}}
+    metrics = {
+        name: sum(m[name] for m in step_metrics) / len(step_metrics)
+        for name in step_metrics[0]
+        if name not in summed | {"actor/lr"}
+    }
     metrics |= {name: sum(m[name] for m in step_metrics) for name in summed}
     metrics["actor/lr"] = step_metrics[-1]["actor/lr"]
     metrics["perf/step_time_min_s"] = min(m["perf/step_time_s"] for m in step_metrics)

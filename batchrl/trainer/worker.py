@@ -62,9 +62,20 @@ logger = logging.getLogger(__name__)
 # Spec fields that may change from one update to the next while a resident rank keeps its model and optimizer:
 # where to read and write, which data, the seed. Any other difference (an update option, the dtype, the
 # reference, ...) rebuilds them from disk, as a fresh process would.
-PER_UPDATE_FIELDS = frozenset({"policy_in", "policy_out", "advantages_files", "metrics_path", "seed",
-                               "trainer_state_in", "trainer_state_sha256", "trainer_state_out", "logprobs_out",
-                               "progress_path"})
+PER_UPDATE_FIELDS = frozenset(
+    {
+        "policy_in",
+        "policy_out",
+        "advantages_files",
+        "metrics_path",
+        "seed",
+        "trainer_state_in",
+        "trainer_state_sha256",
+        "trainer_state_out",
+        "logprobs_out",
+        "progress_path",
+    }
+)
 
 
 @dataclass
@@ -98,8 +109,11 @@ def checkpoint_files(root: str) -> list[str] | None:
     base = Path(root)
     if not base.is_dir():
         return None
-    return sorted(p.relative_to(base).as_posix() for p in base.rglob("*")
-                  if p.is_file() and not p.relative_to(base).parts[0].startswith(("_", ".")))
+    return sorted(
+        p.relative_to(base).as_posix()
+        for p in base.rglob("*")
+        if p.is_file() and not p.relative_to(base).parts[0].startswith(("_", "."))
+    )
 
 
 def file_digests(root: str, *, ctx: Dist) -> dict[str, str] | None:
@@ -109,7 +123,7 @@ def file_digests(root: str, *, ctx: Dist) -> dict[str, str] | None:
     if names is None:
         return None
     mine = {}
-    for name in names[ctx.rank::ctx.world_size]:
+    for name in names[ctx.rank :: ctx.world_size]:
         with open(Path(root) / name, "rb") as f:
             mine[name] = hashlib.file_digest(f, "sha256").hexdigest()
     gathered: list[dict[str, str] | None] = [None] * ctx.world_size
@@ -213,11 +227,25 @@ def update(
     logprob_start = time.perf_counter()
     token_values = pre_update_logprobs(model, samples, spec=spec, ctx=ctx, pad_token_id=pad_token_id)
     if ctx.rank == 0 and spec.logprobs_out is not None:
-        write_logprobs(samples, old_flat=token_values["old"], ref_flat=token_values.get("ref"),
-                       loss_tokens_N=samples.loss_tokens_N, path=spec.logprobs_out)
+        write_logprobs(
+            samples,
+            old_flat=token_values["old"],
+            ref_flat=token_values.get("ref"),
+            loss_tokens_N=samples.loss_tokens_N,
+            path=spec.logprobs_out,
+        )
     train_start = time.perf_counter()
-    step_metrics, global_step = train(model, optimizer, samples, token_values, spec=spec, ctx=ctx,
-                                      pad_token_id=pad_token_id, start_step=start_step, progress=progress)
+    step_metrics, global_step = train(
+        model,
+        optimizer,
+        samples,
+        token_values,
+        spec=spec,
+        ctx=ctx,
+        pad_token_id=pad_token_id,
+        start_step=start_step,
+        progress=progress,
+    )
     train_time = time.perf_counter() - train_start
     progress.write({"phase": "save"})
     progress.close()
@@ -229,10 +257,15 @@ def update(
     save_time = time.perf_counter() - save_start
     if keep:
         optimizer.zero_grad(set_to_none=True)  # the next step zeroes them anyway; free the memory meanwhile
-        kept = Resident(model=model, optimizer=optimizer, tokenizer=tokenizer, global_step=global_step,
-                        settings=spec_settings(spec), policy_files=file_digests(spec.policy_out, ctx=ctx),
-                        state_files=None if spec.trainer_state_out is None
-                        else file_digests(spec.trainer_state_out, ctx=ctx))
+        kept = Resident(
+            model=model,
+            optimizer=optimizer,
+            tokenizer=tokenizer,
+            global_step=global_step,
+            settings=spec_settings(spec),
+            policy_files=file_digests(spec.policy_out, ctx=ctx),
+            state_files=None if spec.trainer_state_out is None else file_digests(spec.trainer_state_out, ctx=ctx),
+        )
     metrics = summarize(step_metrics, spec=spec, global_step=global_step)
     metrics |= {
         "actor/optimizer_state_restored": float(spec.trainer_state_in is not None),

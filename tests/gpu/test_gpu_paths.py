@@ -11,16 +11,25 @@ from trainer_helpers import make_spec, respec
 
 from batchrl.trainer import run_update
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
+]
 
 
 def write_advantages(path, *, vocab_size: int) -> None:
     g = torch.Generator().manual_seed(0)
-    rows = [{"prompt_id": f"p{i // 4}", "sample_idx": i % 4,
-             "prompt_token_ids": torch.randint(3, vocab_size, (6,), generator=g).tolist(),
-             "response_token_ids": torch.randint(3, vocab_size, (8,), generator=g).tolist(),
-             "response_logprobs": [-1.0] * 8, "advantage": float(torch.randn(1, generator=g))} for i in range(16)]
+    rows = [
+        {
+            "prompt_id": f"p{i // 4}",
+            "sample_idx": i % 4,
+            "prompt_token_ids": torch.randint(3, vocab_size, (6,), generator=g).tolist(),
+            "response_token_ids": torch.randint(3, vocab_size, (8,), generator=g).tolist(),
+            "response_logprobs": [-1.0] * 8,
+            "advantage": float(torch.randn(1, generator=g)),
+        }
+        for i in range(16)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
@@ -32,12 +41,22 @@ def test_nccl_update_on_gpu_matches_the_gloo_update_on_cpu(tmp_path, toy_model_d
     with open(f"{toy_model_dir}/config.json") as f:
         vocab_size = json.load(f)["vocab_size"]
     write_advantages(tmp_path / "adv.parquet", vocab_size=vocab_size)
-    base = make_spec(policy_in=toy_model_dir, policy_out=str(tmp_path / "gpu"), metrics_path=str(tmp_path / "g.json"),
-                     advantages_files=[str(tmp_path / "adv.parquet")], backend="nccl", lr=1e-4, micro_batch_size=4)
+    base = make_spec(
+        policy_in=toy_model_dir,
+        policy_out=str(tmp_path / "gpu"),
+        metrics_path=str(tmp_path / "g.json"),
+        advantages_files=[str(tmp_path / "adv.parquet")],
+        backend="nccl",
+        lr=1e-4,
+        micro_batch_size=4,
+    )
     cpu = respec(base, backend="gloo", policy_out=str(tmp_path / "cpu"), metrics_path=str(tmp_path / "c.json"))
     run_update(base, timeout_s=300)
     run_update(cpu, timeout_s=300)
-    gpu_weights, cpu_weights = load_file(f"{base.policy_out}/model.safetensors"), load_file(f"{cpu.policy_out}/model.safetensors")
+    gpu_weights, cpu_weights = (
+        load_file(f"{base.policy_out}/model.safetensors"),
+        load_file(f"{cpu.policy_out}/model.safetensors"),
+    )
     assert gpu_weights.keys() == cpu_weights.keys()
     worst = max(float((gpu_weights[k] - cpu_weights[k]).abs().max()) for k in gpu_weights)
     assert worst < 1e-4, worst  # TF32/cuBLAS vs CPU float32 kernels
@@ -48,8 +67,9 @@ def test_vllm_generates_on_cuda(toy_model_dir):
 
     if not vllm_available():
         pytest.skip("vllm is not installed")
-    engine = make_engine("vllm", model_path=toy_model_dir, dtype="float32",
-                         engine_kwargs={"gpu_memory_utilization": 0.3})
+    engine = make_engine(
+        "vllm", model_path=toy_model_dir, dtype="float32", engine_kwargs={"gpu_memory_utilization": 0.3}
+    )
     groups = engine.generate([[1, 5, 6, 7]], seeds=[[1, 2]], sampling=SamplingSpec(max_new_tokens=8))
     again = engine.generate([[1, 5, 6, 7]], seeds=[[1, 2]], sampling=SamplingSpec(max_new_tokens=8))
     engine.close()

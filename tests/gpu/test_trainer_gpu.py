@@ -12,8 +12,10 @@ from trainer_helpers import load_weights, make_spec, respec, synthetic_rows, wri
 
 from batchrl.trainer import UpdateSpec, run_update
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +25,41 @@ def base_spec(tmp_path_factory) -> UpdateSpec:
     from batchrl_toy import build_toy_model
 
     workdir = tmp_path_factory.mktemp("trainer_gpu")
-    build_toy_model(workdir / "policy_in", hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, seed=0)
+    build_toy_model(
+        workdir / "policy_in",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        seed=0,
+    )
     vocab_size = AutoConfig.from_pretrained(str(workdir / "policy_in")).vocab_size
     files = write_advantages(synthetic_rows(vocab_size=vocab_size), workdir / "advantages")
-    return make_spec(policy_in=str(workdir / "policy_in"), policy_out=str(workdir / "plain" / "policy"),
-                     advantages_files=files, metrics_path=str(workdir / "plain" / "metrics.json"), backend="nccl",
-                     lr=1e-4, ppo_mini_batch_size=2, ppo_epochs=2, max_tokens_per_micro_batch=40, kl_loss_coef=0.1,
-                     reference_policy=str(workdir / "policy_in"), trainer_state_out=str(workdir / "plain" / "state"))
+    return make_spec(
+        policy_in=str(workdir / "policy_in"),
+        policy_out=str(workdir / "plain" / "policy"),
+        advantages_files=files,
+        metrics_path=str(workdir / "plain" / "metrics.json"),
+        backend="nccl",
+        lr=1e-4,
+        ppo_mini_batch_size=2,
+        ppo_epochs=2,
+        max_tokens_per_micro_batch=40,
+        kl_loss_coef=0.1,
+        reference_policy=str(workdir / "policy_in"),
+        trainer_state_out=str(workdir / "plain" / "state"),
+    )
 
 
 def with_outputs(spec: UpdateSpec, name: str, **options) -> UpdateSpec:
     out = Path(spec.policy_out).parent.parent / name
-    return respec(spec, policy_out=str(out / "policy"), metrics_path=str(out / "metrics.json"),
-                  trainer_state_out=str(out / "state"), **options)
+    return respec(
+        spec,
+        policy_out=str(out / "policy"),
+        metrics_path=str(out / "metrics.json"),
+        trainer_state_out=str(out / "state"),
+        **options,
+    )
 
 
 def test_cpu_offload_on_nccl_trains_the_same_weights_as_without_it(base_spec):

@@ -52,8 +52,9 @@ def test_an_input_the_nodes_see_otherwise_is_reported_with_their_ips(two_nodes, 
     model.mkdir()
     (model / "weights.bin").write_bytes(b"x" * 10)
     real_listing = cluster._listing
-    monkeypatch.setattr(cluster, "_listing", lambda path: [("weights.bin", 999)] if path == str(model)
-                        else real_listing(path))  # the driver's view differs from every node's
+    monkeypatch.setattr(
+        cluster, "_listing", lambda path: [("weights.bin", 999)] if path == str(model) else real_listing(path)
+    )  # the driver's view differs from every node's
     unshared = cluster.unshared_paths([], [str(model)])
     assert list(unshared) == [str(model)] and len(unshared[str(model)]) == 1  # two nodes, one IP: this machine's
 
@@ -65,15 +66,23 @@ def test_an_update_on_several_nodes_accepts_a_shared_local_run_directory(two_nod
     advantages = tmp_path / "advantages" / "part-00000.parquet"
     advantages.parent.mkdir()
     advantages.write_bytes(b"PAR1")
-    spec = make_spec(policy_in=str(policy), policy_out=str(tmp_path / "iter_0000" / "policy"),
-                     advantages_files=[str(advantages)], metrics_path=str(tmp_path / "m.json"),
-                     trainer_state_out=str(tmp_path / "iter_0000" / "trainer_state"))
+    spec = make_spec(
+        policy_in=str(policy),
+        policy_out=str(tmp_path / "iter_0000" / "policy"),
+        advantages_files=[str(advantages)],
+        metrics_path=str(tmp_path / "m.json"),
+        trainer_state_out=str(tmp_path / "iter_0000" / "trainer_state"),
+    )
     check_reachable_from_all_nodes(spec, num_nodes=2)  # the real probe: both nodes are this machine
 
 
 def test_an_update_on_several_nodes_refuses_the_paths_a_node_does_not_see():
-    spec = make_spec(policy_in="Qwen/Qwen2.5-0.5B", policy_out="/runs/r/iter_0000/policy",
-                     advantages_files=["s3://b/r/iter_0000/advantages/part-00000.parquet"], metrics_path="m.json")
+    spec = make_spec(
+        policy_in="Qwen/Qwen2.5-0.5B",
+        policy_out="/runs/r/iter_0000/policy",
+        advantages_files=["s3://b/r/iter_0000/advantages/part-00000.parquet"],
+        metrics_path="m.json",
+    )
     asked = []
 
     def probe(writes, reads):
@@ -82,27 +91,35 @@ def test_an_update_on_several_nodes_refuses_the_paths_a_node_does_not_see():
 
     check_reachable_from_all_nodes(spec, num_nodes=1, probe=probe)
     assert asked == []  # one node: nothing to ask
-    with pytest.raises(ValueError, match=r"policy_out=/runs/r/iter_0000/policy \(not the same on node 10.0.0.2\)"
-                                         r".*object storage.*mounted at the same path"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy_out=/runs/r/iter_0000/policy \(not the same on node 10.0.0.2\)"
+        r".*object storage.*mounted at the same path",
+    ):
         check_reachable_from_all_nodes(spec, num_nodes=2, probe=probe)
     assert asked == [(["/runs/r/iter_0000/policy"], [])]  # the hub id and the s3 parts are not local
-    check_reachable_from_all_nodes(spec.__class__(**{**spec.__dict__, "policy_out": "s3://b/r/iter_0000/policy"}),
-                                   num_nodes=2, probe=probe)
+    check_reachable_from_all_nodes(
+        spec.__class__(**{**spec.__dict__, "policy_out": "s3://b/r/iter_0000/policy"}), num_nodes=2, probe=probe
+    )
     assert len(asked) == 1  # nothing local left: not asked
 
 
 def test_a_run_on_a_cluster_whose_nodes_do_not_see_its_local_root_is_a_config_error(two_nodes, tmp_path, monkeypatch):
+    from batchrl.api import Runner
     from batchrl.config import ConfigError
     from batchrl.config.models import PipelineConfig
-    from batchrl.api import Runner
     from batchrl.storage import cluster
 
     model = tmp_path / "model"
     model.mkdir()
     for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
         monkeypatch.setenv(name, value)  # the prompts are on S3: a run needs credentials (nothing is read here)
-    cfg = PipelineConfig(name="t", model={"path": str(model)}, data={"train_files": ["s3://b/prompts/"]},
-                         run={"root": str(tmp_path / "runs")})
+    cfg = PipelineConfig(
+        name="t",
+        model={"path": str(model)},
+        data={"train_files": ["s3://b/prompts/"]},
+        run={"root": str(tmp_path / "runs")},
+    )
     runner = Runner(cfg)
     runner.check_cluster_paths()  # both nodes are this machine: accepted
 
@@ -113,8 +130,11 @@ def test_a_run_on_a_cluster_whose_nodes_do_not_see_its_local_root_is_a_config_er
         return {path: ["10.0.0.2"] for path in writes}
 
     monkeypatch.setattr(cluster, "unshared_paths", only_the_driver_sees_it)
-    with pytest.raises(ConfigError, match=r"Ray cluster of 2 nodes, but run.root=.*runs.* \(not the same on node "
-                                          r"10.0.0.2\).*mounted at the same path on every node"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Ray cluster of 2 nodes, but run.root=.*runs.* \(not the same on node "
+        r"10.0.0.2\).*mounted at the same path on every node",
+    ):
         runner.check_cluster_paths()
     assert asked == [([runner.layout.run_dir], [str(model)])]
     assert Path(runner.layout.run_dir).parent == tmp_path / "runs"

@@ -26,39 +26,72 @@ from batchrl_toy import build_arith_prompts
 
 
 def config(tmp_path, model_dir="m", eval_files=("e",), evaluate=None, iterations=1):
-    return validate_dict({
-        "name": "ev", "run": {"root": str(tmp_path / "runs"), "seed": 3, "iterations": iterations},
-        "model": {"path": model_dir}, "data": {"train_files": ["d"], "max_prompt_tokens": 96},
-        "generate": {"engine": "hf", "max_new_tokens": 6},
-        "evaluate": {"files": list(eval_files), **(evaluate or {})}})
+    return validate_dict(
+        {
+            "name": "ev",
+            "run": {"root": str(tmp_path / "runs"), "seed": 3, "iterations": iterations},
+            "model": {"path": model_dir},
+            "data": {"train_files": ["d"], "max_prompt_tokens": 96},
+            "generate": {"engine": "hf", "max_new_tokens": 6},
+            "evaluate": {"files": list(eval_files), **(evaluate or {})},
+        }
+    )
 
 
 def scored(rows: list[tuple[str, str, list[str], list[float]]]) -> pa.Table:
     """A scored-rollouts table: (prompt_id, data_source, responses, scores) per prompt; ground truth '5'."""
-    return pa.Table.from_pylist([
-        {"prompt_id": pid, "data_source": source, "prompt_text": f"q {pid}", "ground_truth": "5",
-         "response_texts": texts, "scores": scores, "response_lengths": [len(t) for t in texts],
-         "score_errors": [None] * len(texts)} for pid, source, texts, scores in rows])
+    return pa.Table.from_pylist(
+        [
+            {
+                "prompt_id": pid,
+                "data_source": source,
+                "prompt_text": f"q {pid}",
+                "ground_truth": "5",
+                "response_texts": texts,
+                "scores": scores,
+                "response_lengths": [len(t) for t in texts],
+                "score_errors": [None] * len(texts),
+            }
+            for pid, source, texts, scores in rows
+        ]
+    )
 
 
 def test_metrics_of_a_hand_made_evaluation_are_exact(tmp_path):
-    greedy = scored([("a1", "arith", ["#### 5"], [1.0]), ("a2", "arith", ["#### 4"], [0.0]),
-                     ("b1", "gsm8k", ["five"], [0.0])])
-    sampled = scored([
-        ("a1", "arith", ["#### 5", "#### 3", "#### 3", "#### 5"], [1.0, 0.0, 0.0, 1.0]),  # 2-2 tie: "5" came first
-        ("a2", "arith", ["#### 7", "x #### 7", "no answer", "#### 5"], [0.0, 0.0, 0.0, 1.0]),  # majority "7" is wrong
-        ("b1", "gsm8k", ["no", "answer", "at", "all"], [0.0, 0.0, 0.0, 0.0])])  # every response abstains
+    greedy = scored(
+        [("a1", "arith", ["#### 5"], [1.0]), ("a2", "arith", ["#### 4"], [0.0]), ("b1", "gsm8k", ["five"], [0.0])]
+    )
+    sampled = scored(
+        [
+            ("a1", "arith", ["#### 5", "#### 3", "#### 3", "#### 5"], [1.0, 0.0, 0.0, 1.0]),  # 2-2 tie: "5" came first
+            (
+                "a2",
+                "arith",
+                ["#### 7", "x #### 7", "no answer", "#### 5"],
+                [0.0, 0.0, 0.0, 1.0],
+            ),  # majority "7" is wrong
+            ("b1", "gsm8k", ["no", "answer", "at", "all"], [0.0, 0.0, 0.0, 0.0]),
+        ]
+    )  # every response abstains
     table = evaluation_table(greedy, sampled, policy="p", extract_answer=answer_extractor(config(tmp_path)))
     assert table.column("majority_answer").to_pylist() == ["5", "7", None]
     assert table.column("sample_answers").to_pylist()[1] == ["7", "7", None, "5"]
     metrics = evaluation_metrics_from_table(table, pass_threshold=1.0)
     expected = {
-        "val-core/arith/reward/mean@1": 0.5, "val-core/arith/reward/mean@4": 3 / 8,
-        "val-core/arith/reward/pass@4": 1.0, "val-aux/arith/reward/pass@2": (5 / 6 + 1 / 2) / 2,
-        "val-aux/arith/reward/pass@1": 3 / 8, "val-core/arith/reward/maj@4": 0.5,
-        "val-aux/arith/answered/mean@1": 1.0, "val-aux/arith/answered/mean@4": 7 / 8, "val-aux/arith/num_prompts": 2,
-        "val-core/gsm8k/reward/mean@1": 0.0, "val-core/gsm8k/reward/mean@4": 0.0, "val-core/gsm8k/reward/pass@4": 0.0,
-        "val-core/gsm8k/reward/maj@4": 0.0, "val-aux/gsm8k/answered/mean@1": 0.0,
+        "val-core/arith/reward/mean@1": 0.5,
+        "val-core/arith/reward/mean@4": 3 / 8,
+        "val-core/arith/reward/pass@4": 1.0,
+        "val-aux/arith/reward/pass@2": (5 / 6 + 1 / 2) / 2,
+        "val-aux/arith/reward/pass@1": 3 / 8,
+        "val-core/arith/reward/maj@4": 0.5,
+        "val-aux/arith/answered/mean@1": 1.0,
+        "val-aux/arith/answered/mean@4": 7 / 8,
+        "val-aux/arith/num_prompts": 2,
+        "val-core/gsm8k/reward/mean@1": 0.0,
+        "val-core/gsm8k/reward/mean@4": 0.0,
+        "val-core/gsm8k/reward/pass@4": 0.0,
+        "val-core/gsm8k/reward/maj@4": 0.0,
+        "val-aux/gsm8k/answered/mean@1": 0.0,
     }
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value), name
@@ -91,16 +124,26 @@ def test_an_unreadable_held_out_file_is_a_data_error_naming_evaluate_files(tmp_p
 
 
 def test_compare_reports_core_metrics_in_points():
-    lines = compare({"val-core/arith/reward/mean@1": 0.25, "val-aux/arith/num_prompts": 4},
-                    {"val-core/arith/reward/mean@1": 0.625, "val-aux/arith/num_prompts": 4})
+    lines = compare(
+        {"val-core/arith/reward/mean@1": 0.25, "val-aux/arith/num_prompts": 4},
+        {"val-core/arith/reward/mean@1": 0.625, "val-aux/arith/num_prompts": 4},
+    )
     assert lines == ["val-core/arith/reward/mean@1: 0.250 -> 0.625 (+37.5 points)"]
 
 
 def run_evaluate(cfg, out_name: str):
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     out_dir = f"{layout.run_dir}/{out_name}"
-    ctx = StageContext(cfg=cfg, layout=layout, iteration=None, output_dir=out_dir, fingerprint="e", inputs={},
-                       input_dirs={}, policy_in=cfg.model.path)
+    ctx = StageContext(
+        cfg=cfg,
+        layout=layout,
+        iteration=None,
+        output_dir=out_dir,
+        fingerprint="e",
+        inputs={},
+        input_dirs={},
+        policy_in=cfg.model.path,
+    )
     output = EvaluateStage().run(ctx)
     return output, read_parquet(f"{out_dir}/{output.parts[0].name}")
 
@@ -115,8 +158,12 @@ def test_a_real_evaluation_agrees_with_the_reward_and_resamples_identically(ray_
     assert [r["greedy_score"] for r in rows] == [gsm8k_strict(r["greedy_response"], r["ground_truth"]) for r in rows]
     greedy_P = np.array([r["greedy_score"] for r in rows])
     assert output.stats["val-core/arith/reward/mean@1"] == pytest.approx(greedy_P.mean())
-    assert {"val-core/arith/reward/mean@3", "val-core/arith/reward/pass@3", "val-core/arith/reward/maj@3",
-            "val-aux/arith/response_length/mean@3"} <= set(output.stats)
+    assert {
+        "val-core/arith/reward/mean@3",
+        "val-core/arith/reward/pass@3",
+        "val-core/arith/reward/maj@3",
+        "val-aux/arith/response_length/mean@3",
+    } <= set(output.stats)
     assert all(1 <= n <= 4 for r in rows for n in r["sample_lengths"])
     assert sorted(output.extra_parts) == ["prompts", "rollouts", "scores"]
     _, again = run_evaluate(cfg, "second")

@@ -7,14 +7,18 @@ import pytest
 
 from batchrl.config import validate_dict
 from batchrl.engines import vllm_available
-from batchrl.storage.manifest import Manifest, write_manifest
 from batchrl.pipeline.stage import StageContext
 from batchrl.stages.generate import EnginePool, GenerateStage
 from batchrl.stages.ingest import IngestStage
 from batchrl.storage import RunLayout, read_parquet
+from batchrl.storage.manifest import Manifest, write_manifest
 
-ENGINES = ["hf", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(not vllm_available(),
-                                                                                   reason="vLLM not installed")])]
+ENGINES = [
+    "hf",
+    pytest.param(
+        "vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM not installed")]
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +32,42 @@ def second_policy(tmp_path_factory, toy_model_dir):
 
 
 def config(tmp_path, toy_model_dir, toy_prompts_dir, engine):
-    return validate_dict({
-        "name": "gen", "run": {"root": str(tmp_path / "runs"), "seed": 5}, "model": {"path": toy_model_dir},
-        "data": {"train_files": [toy_prompts_dir], "shard_size": 3, "max_prompts": 6, "max_prompt_tokens": 96},
-        "generate": {"engine": engine, "num_samples_per_prompt": 3, "max_new_tokens": 10, "temperature": 1.0},
-    })
+    return validate_dict(
+        {
+            "name": "gen",
+            "run": {"root": str(tmp_path / "runs"), "seed": 5},
+            "model": {"path": toy_model_dir},
+            "data": {"train_files": [toy_prompts_dir], "shard_size": 3, "max_prompts": 6, "max_prompt_tokens": 96},
+            "generate": {"engine": engine, "num_samples_per_prompt": 3, "max_new_tokens": 10, "temperature": 1.0},
+        }
+    )
 
 
 def ingest(cfg) -> tuple[str, Manifest]:
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     out_dir = layout.table_dir("prompts", None)
-    output = IngestStage().run(StageContext(cfg=cfg, layout=layout, iteration=None, output_dir=out_dir,
-                                            fingerprint="p", inputs={}, input_dirs={}, policy_in=cfg.model.path))
-    manifest = Manifest(stage="ingest", table="prompts", iteration=None, fingerprint="p", parts=output.parts,
-                        schema="prompts", started_at=0, finished_at=0)
+    output = IngestStage().run(
+        StageContext(
+            cfg=cfg,
+            layout=layout,
+            iteration=None,
+            output_dir=out_dir,
+            fingerprint="p",
+            inputs={},
+            input_dirs={},
+            policy_in=cfg.model.path,
+        )
+    )
+    manifest = Manifest(
+        stage="ingest",
+        table="prompts",
+        iteration=None,
+        fingerprint="p",
+        parts=output.parts,
+        schema="prompts",
+        started_at=0,
+        finished_at=0,
+    )
     write_manifest(out_dir, manifest)
     return out_dir, manifest
 
@@ -50,8 +76,16 @@ def generate(cfg, prompts, *, policy: str, out_name: str, iteration: int = 0):
     prompts_dir, manifest = prompts
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     out_dir = f"{layout.run_dir}/{out_name}"
-    ctx = StageContext(cfg=cfg, layout=layout, iteration=iteration, output_dir=out_dir, fingerprint="g",
-                       inputs={"prompts": manifest}, input_dirs={"prompts": prompts_dir}, policy_in=policy)
+    ctx = StageContext(
+        cfg=cfg,
+        layout=layout,
+        iteration=iteration,
+        output_dir=out_dir,
+        fingerprint="g",
+        inputs={"prompts": manifest},
+        input_dirs={"prompts": prompts_dir},
+        policy_in=policy,
+    )
     output = GenerateStage().run(ctx)
     rows = [r for p in output.parts for r in read_parquet(f"{out_dir}/{p.name}").to_pylist()]
     return output, rows
@@ -59,14 +93,18 @@ def generate(cfg, prompts, *, policy: str, out_name: str, iteration: int = 0):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_one_row_per_group_and_a_regenerated_shard_equals_the_lost_one(
-        ray_session, tmp_path, toy_model_dir, toy_prompts_dir, engine):
+    ray_session, tmp_path, toy_model_dir, toy_prompts_dir, engine
+):
     cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, engine)
     prompts = ingest(cfg)
     output, rows = generate(cfg, prompts, policy=toy_model_dir, out_name="a")
     assert [p.rows for p in output.parts] == [3, 3]
     assert len(rows) == 6 and all(len(r["response_token_ids"]) == 3 for r in rows)
-    assert all(len(t) == len(lp) == n for r in rows for t, lp, n in
-               zip(r["response_token_ids"], r["response_logprobs"], r["response_lengths"]))
+    assert all(
+        len(t) == len(lp) == n
+        for r in rows
+        for t, lp, n in zip(r["response_token_ids"], r["response_logprobs"], r["response_lengths"])
+    )
     assert all(reason in ("stop", "length") for r in rows for reason in r["finish_reasons"])
     assert len({tuple(t) for r in rows for t in r["response_token_ids"]}) > 1  # sampled, not constant
     assert output.counts["num_samples"] == 18
@@ -78,7 +116,8 @@ def test_one_row_per_group_and_a_regenerated_shard_equals_the_lost_one(
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_new_policy_is_pushed_into_the_live_engine_and_generates_like_a_fresh_engine(
-        ray_session, tmp_path, toy_model_dir, toy_prompts_dir, second_policy, engine):
+    ray_session, tmp_path, toy_model_dir, toy_prompts_dir, second_policy, engine
+):
     cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, engine)
     prompts = ingest(cfg)
     generate(cfg, prompts, policy=toy_model_dir, out_name="first")  # builds (or reuses) the pool
@@ -98,7 +137,8 @@ def test_a_new_policy_is_pushed_into_the_live_engine_and_generates_like_a_fresh_
 
 
 def test_a_killed_generation_actor_is_restarted_and_reloads_the_shards_policy(
-        ray_session, tmp_path, toy_model_dir, toy_prompts_dir, second_policy):
+    ray_session, tmp_path, toy_model_dir, toy_prompts_dir, second_policy
+):
     import ray
 
     cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, "hf")
@@ -112,7 +152,8 @@ def test_a_killed_generation_actor_is_restarted_and_reloads_the_shards_policy(
 
 
 def test_a_live_pool_with_at_least_the_engines_asked_for_is_reused_and_a_smaller_one_is_rebuilt(
-        ray_session, tmp_path, toy_model_dir, toy_prompts_dir):
+    ray_session, tmp_path, toy_model_dir, toy_prompts_dir
+):
     from batchrl.stages.generate import engine_spec
 
     cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, "hf")

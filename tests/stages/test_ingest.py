@@ -28,11 +28,20 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def make_ctx(tmp_path, tokenizer_dir, files, **data):
-    cfg = validate_dict({"name": "t", "model": {"path": tokenizer_dir},
-                         "data": {"train_files": [str(f) for f in files], **data}})
+    cfg = validate_dict(
+        {"name": "t", "model": {"path": tokenizer_dir}, "data": {"train_files": [str(f) for f in files], **data}}
+    )
     layout = RunLayout.for_run(str(tmp_path / "runs"), "t")
-    return StageContext(cfg=cfg, layout=layout, iteration=None, output_dir=layout.table_dir("prompts", None),
-                        fingerprint="x", inputs={}, input_dirs={}, policy_in=tokenizer_dir)
+    return StageContext(
+        cfg=cfg,
+        layout=layout,
+        iteration=None,
+        output_dir=layout.table_dir("prompts", None),
+        fingerprint="x",
+        inputs={},
+        input_dirs={},
+        policy_in=tokenizer_dir,
+    )
 
 
 def write_ours(path, rows):
@@ -41,8 +50,10 @@ def write_ours(path, rows):
 
 
 def test_batchrl_layout_is_tokenized_with_the_chat_template_and_sharded_in_order(tmp_path, tokenizer_dir):
-    rows = [{"prompt_id": f"p{i}", "data_source": "arith", "prompt": f"What is {i} + 1?", "ground_truth": str(i + 1)}
-            for i in range(5)]
+    rows = [
+        {"prompt_id": f"p{i}", "data_source": "arith", "prompt": f"What is {i} + 1?", "ground_truth": str(i + 1)}
+        for i in range(5)
+    ]
     ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "a.parquet", rows)], shard_size=2)
     out = IngestStage().run(ctx)
     assert [p.name for p in out.parts] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
@@ -50,16 +61,24 @@ def test_batchrl_layout_is_tokenized_with_the_chat_template_and_sharded_in_order
     table = read_parquet(f"{ctx.output_dir}/part-00000.parquet")
     first = table.to_pylist()[0]
     assert first["prompt_id"] == "p0"
-    assert first["prompt_text"].startswith("<|im_start|>user\n") and first["prompt_text"].endswith("<|im_start|>assistant\n")
+    assert first["prompt_text"].startswith("<|im_start|>user\n") and first["prompt_text"].endswith(
+        "<|im_start|>assistant\n"
+    )
     assert json.loads(first["messages_json"]) == [{"role": "user", "content": "What is 0 + 1?"}]
     assert len(first["prompt_token_ids"]) > 5
     assert out.counts["prompts"] == 5 and out.counts["rejected"] == 0
 
 
 def test_verl_layout_takes_ground_truth_from_reward_model_and_keeps_extra_info(tmp_path, tokenizer_dir):
-    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": "4"},
-             "extra_info": {"split": "train", "index": 7}}]
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "4"},
+            "extra_info": {"split": "train", "index": 7},
+        }
+    ]
     ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "verl.parquet", rows)])
     IngestStage().run(ctx)
     row = read_parquet(f"{ctx.output_dir}/part-00000.parquet").to_pylist()[0]
@@ -84,8 +103,12 @@ def test_malformed_rows_are_counted_into_the_rejects_table_with_reasons(tmp_path
     assert out.counts["rejected"] == 5
     rejects = read_parquet(f"{ctx.output_dir}/{out.extra_parts['rejects'][0].name}").to_pylist()
     assert {(r["prompt_id"], r["reason"]) for r in rejects} == {
-        ("null", "empty_prompt"), ("blank", "empty_prompt"), ("nogt", "missing_ground_truth"),
-        ("long", "prompt_too_long"), ("ok", "duplicate_prompt_id")}
+        ("null", "empty_prompt"),
+        ("blank", "empty_prompt"),
+        ("nogt", "missing_ground_truth"),
+        ("long", "prompt_too_long"),
+        ("ok", "duplicate_prompt_id"),
+    }
     assert out.counts["rejected/empty_prompt"] == 2
 
 
@@ -108,10 +131,17 @@ def test_all_rows_rejected_is_a_data_error_not_an_empty_table(tmp_path, tokenize
 
 @pytest.mark.parametrize("policy", ["truncate_left", "truncate_right"])
 def test_overlong_prompts_can_be_truncated_and_are_counted(tmp_path, tokenizer_dir, policy):
-    rows = [{"prompt_id": "long", "data_source": "arith", "prompt": "What is 1 + 1? " * 40, "ground_truth": "2"},
-            {"prompt_id": "short", "data_source": "arith", "prompt": "What is 1 + 1?", "ground_truth": "2"}]
-    ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "t.parquet", rows)], max_prompt_tokens=32,
-                   overlong_prompts=policy)
+    rows = [
+        {"prompt_id": "long", "data_source": "arith", "prompt": "What is 1 + 1? " * 40, "ground_truth": "2"},
+        {"prompt_id": "short", "data_source": "arith", "prompt": "What is 1 + 1?", "ground_truth": "2"},
+    ]
+    ctx = make_ctx(
+        tmp_path,
+        tokenizer_dir,
+        [write_ours(tmp_path / "t.parquet", rows)],
+        max_prompt_tokens=32,
+        overlong_prompts=policy,
+    )
     out = IngestStage().run(ctx)
     assert out.counts["prompts"] == 2 and out.counts["rejected"] == 0 and out.counts["truncated_prompts"] == 1
     long_row = read_parquet(f"{ctx.output_dir}/part-00000.parquet").to_pylist()[0]
@@ -123,10 +153,12 @@ def test_overlong_prompts_can_be_truncated_and_are_counted(tmp_path, tokenizer_d
 
 
 def test_a_float_ground_truth_is_written_without_a_trailing_zero_so_a_correct_answer_scores_1(tmp_path, tokenizer_dir):
-    rows = [{"prompt_id": "a", "data_source": "arith", "prompt": "What is 12 + 7?", "ground_truth": 19.0},
-            {"prompt_id": "b", "data_source": "arith", "prompt": "What is 5 / 2?", "ground_truth": 2.5},
-            {"prompt_id": "c", "data_source": "arith", "prompt": "What is 0 / 0?", "ground_truth": float("nan")},
-            {"prompt_id": "d", "data_source": "arith", "prompt": "What is 1 / 0?", "ground_truth": float("inf")}]
+    rows = [
+        {"prompt_id": "a", "data_source": "arith", "prompt": "What is 12 + 7?", "ground_truth": 19.0},
+        {"prompt_id": "b", "data_source": "arith", "prompt": "What is 5 / 2?", "ground_truth": 2.5},
+        {"prompt_id": "c", "data_source": "arith", "prompt": "What is 0 / 0?", "ground_truth": float("nan")},
+        {"prompt_id": "d", "data_source": "arith", "prompt": "What is 1 / 0?", "ground_truth": float("inf")},
+    ]
     ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "f.parquet", rows)])
     out = IngestStage().run(ctx)
     written = read_parquet(f"{ctx.output_dir}/part-00000.parquet").to_pylist()
@@ -134,31 +166,57 @@ def test_a_float_ground_truth_is_written_without_a_trailing_zero_so_a_correct_an
     assert gsm8k_strict("12 + 7 = 19\n#### 19", written[0]["ground_truth"]) == 1.0
     assert out.counts["rejected/bad_ground_truth"] == 2
     rejects = read_parquet(f"{ctx.output_dir}/{out.extra_parts['rejects'][0].name}").to_pylist()
-    assert {r["prompt_id"]: r["detail"] for r in rejects} == {"c": "ground truth is nan, not a number an answer can "
-                                                             "equal", "d": "ground truth is inf, not a number an "
-                                                             "answer can equal"}
+    assert {r["prompt_id"]: r["detail"] for r in rejects} == {
+        "c": "ground truth is nan, not a number an answer can equal",
+        "d": "ground truth is inf, not a number an answer can equal",
+    }
 
 
-@pytest.mark.parametrize(("value", "text"), [(19, "19"), (19.0, "19"), (-0.0, "0"), (2.5, "2.5"), (1e-05, "0.00001"),
-                                             (1e20, "100000000000000000000"), (Decimal("7.50"), "7.5"),
-                                             ("19.0", "19.0")])
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (19, "19"),
+        (19.0, "19"),
+        (-0.0, "0"),
+        (2.5, "2.5"),
+        (1e-05, "0.00001"),
+        (1e20, "100000000000000000000"),
+        (Decimal("7.50"), "7.5"),
+        ("19.0", "19.0"),
+    ],
+)
 def test_numeric_ground_truths_become_the_text_a_response_would_write(value, text):
     assert ground_truth_text(value) == (text, None)
 
 
 def test_an_int_ground_truth_column_in_verls_layout_is_kept_as_its_digits(tmp_path, tokenizer_dir):
-    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
-             "reward_model": {"style": "rule", "ground_truth": 4}}]
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+            "reward_model": {"style": "rule", "ground_truth": 4},
+        }
+    ]
     ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "verl.parquet", rows)])
     IngestStage().run(ctx)
     assert read_parquet(f"{ctx.output_dir}/part-00000.parquet").to_pylist()[0]["ground_truth"] == "4"
 
 
 def test_unknown_roles_and_non_text_prompts_are_rejected_with_an_accurate_reason(tmp_path, tokenizer_dir):
-    chat = [{"prompt_id": "ok", "data_source": "arith", "ground_truth": "2",
-             "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}]},
-            {"prompt_id": "robot", "data_source": "arith", "ground_truth": "2",
-             "prompt": [{"role": "robot", "content": "beep"}, {"role": "user", "content": "1 + 1?"}]}]
+    chat = [
+        {
+            "prompt_id": "ok",
+            "data_source": "arith",
+            "ground_truth": "2",
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}],
+        },
+        {
+            "prompt_id": "robot",
+            "data_source": "arith",
+            "ground_truth": "2",
+            "prompt": [{"role": "robot", "content": "beep"}, {"role": "user", "content": "1 + 1?"}],
+        },
+    ]
     numbers = [{"prompt_id": "n", "data_source": "arith", "ground_truth": "2", "prompt": 42}]
     files = [write_ours(tmp_path / "chat.parquet", chat), write_ours(tmp_path / "numbers.parquet", numbers)]
     ctx = make_ctx(tmp_path, tokenizer_dir, files)
@@ -172,8 +230,16 @@ def test_unknown_roles_and_non_text_prompts_are_rejected_with_an_accurate_reason
 
 def test_a_file_without_rows_is_named_when_no_prompt_is_left(tmp_path, tokenizer_dir):
     empty = tmp_path / "empty.parquet"
-    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "ground_truth": pa.array([], pa.string()),
-                             "data_source": pa.array([], pa.string())}), empty)
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": pa.array([], pa.string()),
+                "ground_truth": pa.array([], pa.string()),
+                "data_source": pa.array([], pa.string()),
+            }
+        ),
+        empty,
+    )
     with pytest.raises(DataError, match=f"no valid prompts in {empty}: 0 row.*with no rows: {empty}"):
         IngestStage().run(make_ctx(tmp_path, tokenizer_dir, [empty]))
     with pytest.raises(DataError, match=f"every input file is empty \\(0 rows\\): {empty}"):
@@ -181,7 +247,8 @@ def test_a_file_without_rows_is_named_when_no_prompt_is_left(tmp_path, tokenizer
 
 
 def test_without_a_data_source_column_rewards_by_data_source_are_a_data_error_naming_file_and_column(
-        tmp_path, tokenizer_dir):
+    tmp_path, tokenizer_dir
+):
     path = write_ours(tmp_path / "nods.parquet", [{"prompt": "What is 1 + 1?", "ground_truth": "2"}])
     ctx = make_ctx(tmp_path, tokenizer_dir, [path])
     for check in (lambda: IngestStage().check_inputs(ctx.cfg), lambda: IngestStage().run(ctx)):
@@ -194,8 +261,9 @@ def test_without_a_data_source_column_rewards_by_data_source_are_a_data_error_na
 
 
 @pytest.mark.parametrize("content", [b"", b"prompt,ground_truth\n1+1?,2\n"], ids=["zero_bytes", "csv"])
-def test_an_unreadable_input_file_is_a_data_error_naming_it_before_anything_is_written(tmp_path, tokenizer_dir,
-                                                                                       content):
+def test_an_unreadable_input_file_is_a_data_error_naming_it_before_anything_is_written(
+    tmp_path, tokenizer_dir, content
+):
     path = tmp_path / "bad.parquet"
     path.write_bytes(content)
     ctx = make_ctx(tmp_path, tokenizer_dir, [path])

@@ -7,24 +7,37 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from batchrl.storage.schemas import conform
 from batchrl.algorithms.advantages import batch_moments
 from batchrl.config.models import AdvantageConfig
 from batchrl.stages.advantage import AdvantageWorker, raw_advantages, shard_groups
 from batchrl.stages.score import RewardSet, ScoreWorker
+from batchrl.storage.schemas import conform
 
 
 def rollouts(groups: list[tuple[str, str, list[str]]], data_source: str = "arith") -> pa.Table:
     rows = []
     for prompt_id, truth, responses in groups:
         n = len(responses)
-        rows.append({
-            "prompt_id": prompt_id, "data_source": data_source, "messages_json": "[]", "prompt_text": "q",
-            "prompt_token_ids": [1, 2], "ground_truth": truth, "extra_info_json": None, "source_file": "f",
-            "source_row": 0, "response_texts": responses, "response_token_ids": [[3] * (i + 1) for i in range(n)],
-            "response_logprobs": [[-0.5] * (i + 1) for i in range(n)], "finish_reasons": ["stop"] * n,
-            "response_lengths": [i + 1 for i in range(n)], "sample_seeds": list(range(n)), "policy_version": 0,
-        })
+        rows.append(
+            {
+                "prompt_id": prompt_id,
+                "data_source": data_source,
+                "messages_json": "[]",
+                "prompt_text": "q",
+                "prompt_token_ids": [1, 2],
+                "ground_truth": truth,
+                "extra_info_json": None,
+                "source_file": "f",
+                "source_row": 0,
+                "response_texts": responses,
+                "response_token_ids": [[3] * (i + 1) for i in range(n)],
+                "response_logprobs": [[-0.5] * (i + 1) for i in range(n)],
+                "finish_reasons": ["stop"] * n,
+                "response_lengths": [i + 1 for i in range(n)],
+                "sample_seeds": list(range(n)),
+                "policy_version": 0,
+            }
+        )
     return conform(pa.Table.from_pylist(rows), "rollouts")
 
 
@@ -51,11 +64,14 @@ def test_weighted_terms_add_up():
     assert out.column("scores").to_pylist() == [[1.5, 0.5]]
 
 
-@pytest.mark.parametrize("reward,error", [
-    ("custom_rewards:explodes", "raised RuntimeError: boom"),
-    ("custom_rewards:not_a_number", "not a finite number"),
-    ("custom_rewards:gives_up", "returned None"),
-])
+@pytest.mark.parametrize(
+    "reward,error",
+    [
+        ("custom_rewards:explodes", "raised RuntimeError: boom"),
+        ("custom_rewards:not_a_number", "not a finite number"),
+        ("custom_rewards:gives_up", "returned None"),
+    ],
+)
 def test_a_failing_reward_scores_the_failure_reward_and_records_why(reward, error):
     table = rollouts([("p0", "7", ["a", "b"])])
     out, counts = worker(terms=[(reward, 1.0)], failure_reward=-1.0).process(table)
@@ -79,8 +95,9 @@ def test_advantages_are_group_relative_and_exploded_to_one_row_per_sample():
     assert out.column("sample_idx").to_pylist() == [0, 1, 2, 3] * 2
     # rewards [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) -> +-0.5 / (0.57735 + 1e-6)
     expected = 0.5 / (np.sqrt(1 / 3) + 1e-6)
-    np.testing.assert_allclose(out.column("advantage").to_numpy()[:4], [expected, -expected, -expected, expected],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        out.column("advantage").to_numpy()[:4], [expected, -expected, -expected, expected], rtol=1e-6
+    )
     np.testing.assert_array_equal(out.column("advantage").to_numpy()[4:], 0.0)  # all-equal group
     assert out.column("response_token_ids").to_pylist()[2] == [3, 3, 3]
     assert out.column("response_logprobs").to_pylist()[1] == [-0.5, -0.5]
@@ -101,8 +118,9 @@ def test_rloo_uses_the_leave_one_out_baseline():
 
 
 def test_dynamic_sampling_drops_all_equal_groups_and_counts_them():
-    table = rollouts([("p0", "7", ["#### 7", "#### 8"]), ("p1", "1", ["#### 1", "#### 1"]),
-                      ("p2", "2", ["#### 5", "#### 5"])])
+    table = rollouts(
+        [("p0", "7", ["#### 7", "#### 8"]), ("p1", "1", ["#### 1", "#### 1"]), ("p2", "2", ["#### 5", "#### 5"])]
+    )
     scored, _ = worker().process(table)
     out, counts = advantage_worker(estimator="grpo", filter_groups=True).process(scored)
     assert out.column("prompt_id").to_pylist() == ["p0", "p0"]
@@ -150,18 +168,22 @@ def reference_logprobs_by_hand(model_dir: str, prompt: list[int], response: list
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
     logprobs = torch.log_softmax(logits[:-1], dim=-1)
     targets = torch.tensor(prompt + response)[1:]
-    return logprobs[torch.arange(len(targets)), targets][len(prompt) - 1:].numpy()
+    return logprobs[torch.arange(len(targets)), targets][len(prompt) - 1 :].numpy()
 
 
 def test_kl_folded_into_the_reward_subtracts_coef_times_the_summed_kl_before_grpo(toy_model_dir):
     scored, _ = worker().process(rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8", "#### 7"])]))
-    worker_kl = AdvantageWorker(config=AdvantageConfig(estimator="grpo", kl_in_reward_coef=0.1).model_dump(),
-                                moments=None, reference_path=toy_model_dir)
+    worker_kl = AdvantageWorker(
+        config=AdvantageConfig(estimator="grpo", kl_in_reward_coef=0.1).model_dump(),
+        moments=None,
+        reference_path=toy_model_dir,
+    )
     out, counts = worker_kl.process(scored)
     out = conform(out, "advantages")
     # by hand: k1 = behaviour (-0.5 per token) - reference, summed over each response [3] * (i + 1)
-    summed = np.array([(-0.5 - reference_logprobs_by_hand(toy_model_dir, [1, 2], [3] * (i + 1))).sum()
-                       for i in range(4)])
+    summed = np.array(
+        [(-0.5 - reference_logprobs_by_hand(toy_model_dir, [1, 2], [3] * (i + 1))).sum() for i in range(4)]
+    )
     np.testing.assert_allclose(out.column("reward_kl").to_numpy(), summed, rtol=1e-5)
     rewards = np.array([1.0, 0.0, 0.0, 1.0]) - 0.1 * summed
     expected = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
@@ -175,8 +197,11 @@ def test_kl_in_reward_is_zero_when_the_rollout_logprobs_are_the_references_own(t
     table = rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8"])])
     scored, _ = worker().process(table)
     own = [reference_logprobs_by_hand(toy_model_dir, [1, 2], [3] * (i + 1)).tolist() for i in range(3)]
-    scored = scored.set_column(scored.column_names.index("response_logprobs"), "response_logprobs",
-                               pa.array([own], scored.schema.field("response_logprobs").type))
+    scored = scored.set_column(
+        scored.column_names.index("response_logprobs"),
+        "response_logprobs",
+        pa.array([own], scored.schema.field("response_logprobs").type),
+    )
     config = AdvantageConfig(estimator="grpo", kl_in_reward_coef=5.0, kl_in_reward_estimator="k3").model_dump()
     out, _ = AdvantageWorker(config=config, moments=None, reference_path=toy_model_dir).process(scored)
     plain, _ = advantage_worker(estimator="grpo").process(scored)
@@ -187,7 +212,8 @@ def test_kl_in_reward_is_zero_when_the_rollout_logprobs_are_the_references_own(t
 
 @pytest.mark.parametrize("share_prompt, max_tokens", [(False, 8192), (True, 8192), (True, 14)])
 def test_reference_logprobs_equal_one_unbatched_forward_per_sample_with_or_without_shared_prompts(
-        toy_model_dir, share_prompt, max_tokens, monkeypatch):
+    toy_model_dir, share_prompt, max_tokens, monkeypatch
+):
     """Two prompts of different lengths, 3 samples each; with share_prompt a row holds a prompt once and then its
     samples' responses (all of them, or, with a 14-token budget, packs cut by it: 4 + 2 + 5 + 3, then 7 + 2 + 5 and
     7 + 3)."""
@@ -204,31 +230,51 @@ def test_reference_logprobs_equal_one_unbatched_forward_per_sample_with_or_witho
             responses.append(rng.integers(3, 40, length).tolist())
     rows = []
     for g, prompt in enumerate(prompts):
-        group = responses[3 * g:3 * g + 3]
-        rows.append({"prompt_id": f"p{g}", "data_source": "arith", "messages_json": "[]", "prompt_text": "q",
-                     "prompt_token_ids": prompt, "ground_truth": "1", "extra_info_json": None, "source_file": "f",
-                     "source_row": g, "response_texts": ["x"] * 3, "response_token_ids": group,
-                     "response_logprobs": [[-0.5] * len(r) for r in group], "finish_reasons": ["stop"] * 3,
-                     "response_lengths": [len(r) for r in group], "sample_seeds": [0, 1, 2], "policy_version": 0,
-                     "scores": [1.0, 0.0, 1.0], "score_errors": [None] * 3,
-                     "reward_values": [[1.0], [0.0], [1.0]], "reward_names": ["r"], "reward_weights": [1.0]})
+        group = responses[3 * g : 3 * g + 3]
+        rows.append(
+            {
+                "prompt_id": f"p{g}",
+                "data_source": "arith",
+                "messages_json": "[]",
+                "prompt_text": "q",
+                "prompt_token_ids": prompt,
+                "ground_truth": "1",
+                "extra_info_json": None,
+                "source_file": "f",
+                "source_row": g,
+                "response_texts": ["x"] * 3,
+                "response_token_ids": group,
+                "response_logprobs": [[-0.5] * len(r) for r in group],
+                "finish_reasons": ["stop"] * 3,
+                "response_lengths": [len(r) for r in group],
+                "sample_seeds": [0, 1, 2],
+                "policy_version": 0,
+                "scores": [1.0, 0.0, 1.0],
+                "score_errors": [None] * 3,
+                "reward_values": [[1.0], [0.0], [1.0]],
+                "reward_names": ["r"],
+                "reward_weights": [1.0],
+            }
+        )
     groups = shard_groups(conform(pa.Table.from_pylist(rows), "scores"), filter_groups=False)
     samples = samples_from_table(explode_groups(groups.table, np.zeros_like(groups.rewards_PG)))
     rows_per_micro_batch = []
     collate_packs = reference.collate_packs
-    monkeypatch.setattr(reference, "collate_packs",
-                        lambda s, packs, **kw: rows_per_micro_batch.append([len(p) for p in packs])
-                        or collate_packs(s, packs, **kw))
+    monkeypatch.setattr(
+        reference,
+        "collate_packs",
+        lambda s, packs, **kw: rows_per_micro_batch.append([len(p) for p in packs]) or collate_packs(s, packs, **kw),
+    )
 
     model = reference.load_frozen_model(toy_model_dir)
-    flat = reference.response_logprobs(model, samples, pad_token_id=0, max_tokens=max_tokens,
-                                       share_prompt=share_prompt)
+    flat = reference.response_logprobs(model, samples, pad_token_id=0, max_tokens=max_tokens, share_prompt=share_prompt)
 
     expected = np.concatenate([reference_logprobs_by_hand(toy_model_dir, p, r) for p, r in zip(prompt_ids, responses)])
     np.testing.assert_allclose(flat, expected, atol=1e-5)
     pack_sizes = sorted(size for sizes in rows_per_micro_batch for size in sizes)
-    assert pack_sizes == {(False, 8192): [1] * 6, (True, 8192): [3, 3], (True, 14): [1, 2, 3]}[
-        (share_prompt, max_tokens)]
+    assert (
+        pack_sizes == {(False, 8192): [1] * 6, (True, 8192): [3, 3], (True, 14): [1, 2, 3]}[(share_prompt, max_tokens)]
+    )
 
 
 def test_sharing_prompts_in_the_reference_pass_is_not_in_the_advantage_fingerprint_but_the_kl_settings_are():

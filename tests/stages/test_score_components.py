@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from batchrl.storage.schemas import conform
 from batchrl.rewards.combine import TermSpec
 from batchrl.stages.score import ScoreWorker, score_stats, summarize_scores
+from batchrl.storage.schemas import conform
 
 
 def rollouts(groups: list[dict]) -> pa.Table:
@@ -20,15 +20,26 @@ def rollouts(groups: list[dict]) -> pa.Table:
     for g in groups:
         n = len(g["responses"])
         lengths = g.get("lengths", [len(r) for r in g["responses"]])
-        rows.append({
-            "prompt_id": g["prompt_id"], "data_source": g.get("data_source", "arith"),
-            "messages_json": json.dumps(g.get("messages", [{"role": "user", "content": "q"}])),
-            "prompt_text": g.get("prompt_text", "q"), "prompt_token_ids": [1, 2], "ground_truth": g["truth"],
-            "extra_info_json": None, "source_file": "f", "source_row": 0, "response_texts": g["responses"],
-            "response_token_ids": [[3] * k for k in lengths], "response_logprobs": [[-0.5] * k for k in lengths],
-            "finish_reasons": g.get("finish_reasons", ["stop"] * n), "response_lengths": lengths,
-            "sample_seeds": list(range(n)), "policy_version": 0,
-        })
+        rows.append(
+            {
+                "prompt_id": g["prompt_id"],
+                "data_source": g.get("data_source", "arith"),
+                "messages_json": json.dumps(g.get("messages", [{"role": "user", "content": "q"}])),
+                "prompt_text": g.get("prompt_text", "q"),
+                "prompt_token_ids": [1, 2],
+                "ground_truth": g["truth"],
+                "extra_info_json": None,
+                "source_file": "f",
+                "source_row": 0,
+                "response_texts": g["responses"],
+                "response_token_ids": [[3] * k for k in lengths],
+                "response_logprobs": [[-0.5] * k for k in lengths],
+                "finish_reasons": g.get("finish_reasons", ["stop"] * n),
+                "response_lengths": lengths,
+                "sample_seeds": list(range(n)),
+                "policy_version": 0,
+            }
+        )
     return conform(pa.Table.from_pylist(rows), "rollouts")
 
 
@@ -48,10 +59,14 @@ def column(table: pa.Table, name: str) -> list:
 
 @pytest.mark.parametrize("timeout_s", [None, 5.0])
 def test_each_component_is_kept_per_sample_with_its_name_and_weight(timeout_s):
-    table = rollouts([{"prompt_id": "p0", "truth": "7", "responses": ["#### 7", "#### 8", "seven"],
-                       "lengths": [10, 90, 100]}])
-    terms = [TermSpec("gsm8k", 1.0), TermSpec("format_hash", 0.5, name="format"),
-             TermSpec("overlong_penalty", 2.0, params={"max_length": 100, "buffer_length": 20})]
+    table = rollouts(
+        [{"prompt_id": "p0", "truth": "7", "responses": ["#### 7", "#### 8", "seven"], "lengths": [10, 90, 100]}]
+    )
+    terms = [
+        TermSpec("gsm8k", 1.0),
+        TermSpec("format_hash", 0.5, name="format"),
+        TermSpec("overlong_penalty", 2.0, params={"max_length": 100, "buffer_length": 20}),
+    ]
     out, counts = score(table, terms=terms, timeout_s=timeout_s)
     assert column(out, "reward_names") == [["gsm8k", "format", "overlong_penalty"]]
     assert column(out, "reward_weights") == [[1.0, 0.5, 2.0]]
@@ -67,11 +82,18 @@ def test_each_component_is_kept_per_sample_with_its_name_and_weight(timeout_s):
 
 
 def test_without_terms_each_row_is_scored_by_its_data_sources_reward_under_that_name():
-    table = rollouts([
-        {"prompt_id": "a", "truth": "7", "responses": ["#### 7", "#### 1"]},
-        {"prompt_id": "m", "truth": "\\frac{1}{2}", "responses": ["\\boxed{0.5}", "\\boxed{2}"], "data_source": "math"},
-        {"prompt_id": "m2", "truth": "3", "responses": ["\\boxed{3}", "\\boxed{3}"], "data_source": "math"},
-    ])
+    table = rollouts(
+        [
+            {"prompt_id": "a", "truth": "7", "responses": ["#### 7", "#### 1"]},
+            {
+                "prompt_id": "m",
+                "truth": "\\frac{1}{2}",
+                "responses": ["\\boxed{0.5}", "\\boxed{2}"],
+                "data_source": "math",
+            },
+            {"prompt_id": "m2", "truth": "3", "responses": ["\\boxed{3}", "\\boxed{3}"], "data_source": "math"},
+        ]
+    )
     out, counts = score(table, timeout_s=5.0)
     assert column(out, "reward_names") == [["gsm8k"], ["math"], ["math"]]
     assert column(out, "scores") == [[1.0, 0.0], [1.0, 0.0], [1.0, 1.0]]
@@ -87,8 +109,9 @@ def test_row_fields_reach_the_reward_per_sample():
 
 def test_a_reward_that_never_returns_times_out_and_the_other_components_still_score():
     table = rollouts([{"prompt_id": "p0", "truth": "7", "responses": ["#### 7", "#### 8"]}])
-    out, counts = score(table, terms=[("gsm8k", 1.0), ("custom_rewards:sleeps_forever", 1.0)], timeout_s=0.3,
-                        failure_reward=-1.0)
+    out, counts = score(
+        table, terms=[("gsm8k", 1.0), ("custom_rewards:sleeps_forever", 1.0)], timeout_s=0.3, failure_reward=-1.0
+    )
     assert column(out, "scores") == [[-1.0, -1.0]]
     assert column(out, "score_errors") == [["sleeps_forever timed out after 0.3s"] * 2]
     assert column(out, "reward_values") == [[[1.0, None], [0.0, None]]]
@@ -103,8 +126,9 @@ def test_after_a_hung_call_the_next_samples_are_scored_by_a_fresh_reward_process
     # 2: five messages, the next one pickled while the child scores; hangs in the first, middle and last message.
     monkeypatch.setattr(isolation, "SAMPLES_PER_MESSAGE", samples_per_message)
     groups = [{"prompt_id": f"p{i}", "truth": "1", "responses": ["a", "bb", "ccc"]} for i in range(3)]
-    worker = ScoreWorker(terms=[("custom_rewards:hangs_on_second_sample", 1.0)], by_data_source={},
-                         failure_reward=-1.0, timeout_s=0.5)
+    worker = ScoreWorker(
+        terms=[("custom_rewards:hangs_on_second_sample", 1.0)], by_data_source={}, failure_reward=-1.0, timeout_s=0.5
+    )
     try:
         out, counts = worker.process(rollouts(groups))
         num_starts = worker.isolated.num_starts
@@ -118,8 +142,9 @@ def test_after_a_hung_call_the_next_samples_are_scored_by_a_fresh_reward_process
 def test_samples_spread_over_many_messages_come_back_in_order():
     from batchrl.rewards import isolation
 
-    groups = [{"prompt_id": f"p{i}", "truth": str(i), "responses": [f"#### {i}", f"#### {i + 1}", "x" * i]}
-              for i in range(7)]
+    groups = [
+        {"prompt_id": f"p{i}", "truth": str(i), "responses": [f"#### {i}", f"#### {i + 1}", "x" * i]} for i in range(7)
+    ]
     table = rollouts(groups)
     expected, _ = score(table, terms=[("gsm8k", 1.0), ("custom_rewards:length_bonus", 0.5)], timeout_s=None)
     original = isolation.SAMPLES_PER_MESSAGE
@@ -144,8 +169,9 @@ def test_raising_nan_and_none_are_recorded_the_same_way_inline_and_isolated(time
     table = rollouts([{"prompt_id": "p0", "truth": "7", "responses": ["x"]}])
     terms = [("custom_rewards:explodes", 1.0), ("custom_rewards:not_a_number", 1.0), ("custom_rewards:gives_up", 1.0)]
     out, counts = score(table, terms=terms, timeout_s=timeout_s, failure_reward=-1.0)
-    assert column(out, "score_errors") == [["explodes raised RuntimeError: boom; not_a_number returned nan (not a "
-                                            "finite number); gives_up returned None"]]
+    assert column(out, "score_errors") == [
+        ["explodes raised RuntimeError: boom; not_a_number returned nan (not a finite number); gives_up returned None"]
+    ]
     assert column(out, "scores") == [[-1.0]] and counts["failed_samples"] == 1
 
 
@@ -168,9 +194,17 @@ def reward_model_dir(tmp_path_factory) -> str:
 
     path = tmp_path_factory.mktemp("reward_model")
     tokenizer = build_toy_tokenizer(path)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     Qwen2ForSequenceClassification(config).save_pretrained(path)
     return str(path)
@@ -184,21 +218,29 @@ def direct_logits(model_dir: str, texts: list[str]) -> np.ndarray:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        return np.array([model(**tokenizer(t, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
-                         for t in texts])
+        return np.array(
+            [model(**tokenizer(t, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item() for t in texts]
+        )
 
 
 RM_GROUPS = [
-    {"prompt_id": "p0", "truth": "7",
-     "prompt_text": "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n",
-     "responses": ["#### 7", "It is seven, so the answer is #### 7", "", "#### 8"]},
+    {
+        "prompt_id": "p0",
+        "truth": "7",
+        "prompt_text": "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n",
+        "responses": ["#### 7", "It is seven, so the answer is #### 7", "", "#### 8"],
+    },
     {"prompt_id": "p1", "truth": "2", "prompt_text": "1+1?", "responses": ["2", "#### 2", "two", "#### 2 ✓"]},
 ]
 
 
 def test_the_reward_model_component_is_the_classifiers_logit_for_prompt_plus_response(reward_model_dir):
-    out, counts = score(rollouts(RM_GROUPS), terms=[("gsm8k", 1.0)], timeout_s=None,
-                        reward_model={"path": reward_model_dir, "batch_size": 3, "weight": 0.5, "device": "cpu"})
+    out, counts = score(
+        rollouts(RM_GROUPS),
+        terms=[("gsm8k", 1.0)],
+        timeout_s=None,
+        reward_model={"path": reward_model_dir, "batch_size": 3, "weight": 0.5, "device": "cpu"},
+    )
     texts = [g["prompt_text"] + r for g in RM_GROUPS for r in g["responses"]]
     expected_S = direct_logits(reward_model_dir, texts)
     values_SK = np.array([s for group in column(out, "reward_values") for s in group], dtype=np.float64)
@@ -213,13 +255,27 @@ def test_the_reward_model_component_is_the_classifiers_logit_for_prompt_plus_res
 def test_without_rule_terms_the_reward_model_scores_alone_with_the_chat_template(reward_model_dir):
     from transformers import AutoTokenizer
 
-    groups = [{"prompt_id": "p0", "truth": None, "data_source": "chat", "responses": ["Hi!", "Go away."],
-               "messages": [{"role": "user", "content": "Hello"}]}]
-    out, _ = score(rollouts(groups), reward_model={"path": reward_model_dir, "input_format": "chat",
-                                                   "device": "cpu"}, timeout_s=5.0)
+    groups = [
+        {
+            "prompt_id": "p0",
+            "truth": None,
+            "data_source": "chat",
+            "responses": ["Hi!", "Go away."],
+            "messages": [{"role": "user", "content": "Hello"}],
+        }
+    ]
+    out, _ = score(
+        rollouts(groups),
+        reward_model={"path": reward_model_dir, "input_format": "chat", "device": "cpu"},
+        timeout_s=5.0,
+    )
     tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": r}],
-                                           tokenize=False) for r in groups[0]["responses"]]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": r}], tokenize=False
+        )
+        for r in groups[0]["responses"]
+    ]
     assert texts[0].endswith("<|im_start|>assistant\nHi!<|im_end|>\n")
     assert column(out, "reward_names") == [["reward_model"]]
     np.testing.assert_allclose(column(out, "scores")[0], direct_logits(reward_model_dir, texts), rtol=1e-4, atol=1e-5)
@@ -227,8 +283,11 @@ def test_without_rule_terms_the_reward_model_scores_alone_with_the_chat_template
 
 def test_texts_longer_than_max_length_keep_their_last_tokens_and_are_counted(reward_model_dir):
     groups = [{"prompt_id": "p0", "truth": "7", "prompt_text": "q", "responses": ["#### 7" * 10, "#### 7"]}]
-    out, counts = score(rollouts(groups), terms=[("gsm8k", 1.0)],
-                        reward_model={"path": reward_model_dir, "max_length": 8, "device": "cpu"})
+    out, counts = score(
+        rollouts(groups),
+        terms=[("gsm8k", 1.0)],
+        reward_model={"path": reward_model_dir, "max_length": 8, "device": "cpu"},
+    )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)

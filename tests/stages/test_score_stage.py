@@ -3,53 +3,68 @@ reward is timed out inside the Ray actor while the reward model scores every sam
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from test_score_components import reward_model_dir, rollouts  # noqa: F401  (reward_model_dir is a fixture)
 
 from batchrl.config import ConfigError, validate_dict
-from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.pipeline.stage import StageContext
 from batchrl.stages.score import ScoreStage
 from batchrl.storage import RunLayout, read_parquet, write_parquet_atomic
-
-from test_score_components import reward_model_dir, rollouts  # noqa: F401  (reward_model_dir is a fixture)
+from batchrl.storage.manifest import Manifest, PartInfo
 
 HERE = Path(__file__).resolve().parent
 
 
 def config(tmp_path, toy_model_dir, toy_prompts_dir, score: dict):
-    return validate_dict({"name": "score", "run": {"root": str(tmp_path / "runs")}, "model": {"path": toy_model_dir},
-                          "data": {"train_files": [toy_prompts_dir]}, "score": score, "ray": {"num_cpus": 2}})
+    return validate_dict(
+        {
+            "name": "score",
+            "run": {"root": str(tmp_path / "runs")},
+            "model": {"path": toy_model_dir},
+            "data": {"train_files": [toy_prompts_dir]},
+            "score": score,
+            "ray": {"num_cpus": 2},
+        }
+    )
 
 
 @pytest.mark.parametrize(
     ("score", "complaint"),
     [
         ({"rewards": [{"reward": "gsm9k"}]}, "unknown reward 'gsm9k'"),
-        ({"rewards": [{"reward": "overlong_penalty", "params": {"max_length": 9}}]},
-         r"needs params \['buffer_length'\]"),
+        (
+            {"rewards": [{"reward": "overlong_penalty", "params": {"max_length": 9}}]},
+            r"needs params \['buffer_length'\]",
+        ),
         ({"rewards": [{"reward": "gsm8k", "params": {"strict": True}}]}, r"has no parameter\(s\) \['strict'\]"),
         ({"reward_by_data_source": {"trivia": "no_such_module:fn"}}, "cannot import module 'no_such_module'"),
         ({"reward_model": {"path": "./no/such/dir"}}, "neither a local checkpoint directory nor a hub id"),
     ],
 )
-def test_config_mistakes_are_config_errors_before_anything_runs(tmp_path, toy_model_dir, toy_prompts_dir, score,
-                                                               complaint):
+def test_config_mistakes_are_config_errors_before_anything_runs(
+    tmp_path, toy_model_dir, toy_prompts_dir, score, complaint
+):
     with pytest.raises(ConfigError, match=complaint):
         ScoreStage().check_inputs(config(tmp_path, toy_model_dir, toy_prompts_dir, score))
 
 
 def test_duplicate_component_names_are_rejected_by_the_config():
     with pytest.raises(ConfigError, match=r"component names \['reward_model'\] are not unique"):
-        validate_dict({"name": "x", "model": {"path": "m"}, "data": {"train_files": ["d"]},
-                       "score": {"rewards": [{"reward": "gsm8k", "name": "reward_model"}],
-                                 "reward_model": {"path": "org/rm"}}})
+        validate_dict(
+            {
+                "name": "x",
+                "model": {"path": "m"},
+                "data": {"train_files": ["d"]},
+                "score": {"rewards": [{"reward": "gsm8k", "name": "reward_model"}], "reward_model": {"path": "org/rm"}},
+            }
+        )
 
 
 def test_preflight_wants_a_reward_for_every_data_source_unless_the_reward_model_scores_alone(
-        tmp_path, toy_model_dir, toy_prompts_dir, reward_model_dir):  # noqa: F811
+    tmp_path, toy_model_dir, toy_prompts_dir, reward_model_dir
+):
     rules = config(tmp_path, toy_model_dir, toy_prompts_dir, {})
     with pytest.raises(ConfigError, match="no reward for data_source 'chat'"):
         ScoreStage().check_data_sources(rules, ["arith", "chat"])
@@ -59,22 +74,47 @@ def test_preflight_wants_a_reward_for_every_data_source_unless_the_reward_model_
 
 
 def test_a_hanging_reward_times_out_inside_ray_actors_and_the_stage_completes(
-        ray_session, tmp_path, toy_model_dir, toy_prompts_dir, reward_model_dir):  # noqa: F811
-    cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, {
-        "rewards": [{"reward": "gsm8k"}, {"reward": "custom_rewards:hangs_on_second_sample", "weight": 0.0}],
-        "timeout_s": 1.0, "failure_reward": -1.0, "reward_model": {"path": reward_model_dir, "batch_size": 4}})
+    ray_session, tmp_path, toy_model_dir, toy_prompts_dir, reward_model_dir
+):
+    cfg = config(
+        tmp_path,
+        toy_model_dir,
+        toy_prompts_dir,
+        {
+            "rewards": [{"reward": "gsm8k"}, {"reward": "custom_rewards:hangs_on_second_sample", "weight": 0.0}],
+            "timeout_s": 1.0,
+            "failure_reward": -1.0,
+            "reward_model": {"path": reward_model_dir, "batch_size": 4},
+        },
+    )
     in_dir, out_dir = str(tmp_path / "rollouts"), str(tmp_path / "scores")
     parts = []
     for k in range(2):
-        table = rollouts([{"prompt_id": f"p{k}{i}", "truth": "7", "responses": ["#### 7", "#### 7", "#### 8"]}
-                          for i in range(2)])
+        table = rollouts(
+            [{"prompt_id": f"p{k}{i}", "truth": "7", "responses": ["#### 7", "#### 7", "#### 8"]} for i in range(2)]
+        )
         num_bytes, digest = write_parquet_atomic(table, f"{in_dir}/part-{k:05d}.parquet")
         parts.append(PartInfo(name=f"part-{k:05d}.parquet", rows=table.num_rows, sha256=digest, num_bytes=num_bytes))
-    manifest = Manifest(stage="generate", table="rollouts", iteration=0, fingerprint="g", parts=parts,
-                        schema="rollouts", started_at=0, finished_at=0)
-    ctx = StageContext(cfg=cfg, layout=RunLayout.for_run(cfg.run.root, cfg.run_id), iteration=0, output_dir=out_dir,
-                       fingerprint="s", inputs={"rollouts": manifest}, input_dirs={"rollouts": in_dir},
-                       policy_in=toy_model_dir)
+    manifest = Manifest(
+        stage="generate",
+        table="rollouts",
+        iteration=0,
+        fingerprint="g",
+        parts=parts,
+        schema="rollouts",
+        started_at=0,
+        finished_at=0,
+    )
+    ctx = StageContext(
+        cfg=cfg,
+        layout=RunLayout.for_run(cfg.run.root, cfg.run_id),
+        iteration=0,
+        output_dir=out_dir,
+        fingerprint="s",
+        inputs={"rollouts": manifest},
+        input_dirs={"rollouts": in_dir},
+        policy_in=toy_model_dir,
+    )
     output = ScoreStage().run(ctx)
     rows = [r for p in output.parts for r in read_parquet(f"{out_dir}/{p.name}").to_pylist()]
     assert [r["prompt_id"] for r in rows] == ["p00", "p01", "p10", "p11"]

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 from batchrl.engines import SamplingSpec, make_engine
 from batchrl.rewards.gsm8k import extract_gsm8k_answer, gsm8k_strict
 from batchrl_toy import (
-    arith_problems,
     all_arith_problems,
+    arith_problems,
     build_toy_model,
     ensure_toy_assets,
     is_held_out,
@@ -24,12 +24,17 @@ from batchrl_toy import (
 
 def greedy_answers(model_dir: str, questions: list[str]) -> list[str]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                       tokenize=False), add_special_tokens=False)["input_ids"]
-               for q in questions]
+    prompts = [
+        tokenizer(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for q in questions
+    ]
     engine = make_engine("hf", model_path=model_dir, dtype="float32")
-    groups = engine.generate(prompts, seeds=[[0]] * len(prompts), sampling=SamplingSpec(temperature=0.0,
-                                                                                        max_new_tokens=6))
+    groups = engine.generate(
+        prompts, seeds=[[0]] * len(prompts), sampling=SamplingSpec(temperature=0.0, max_new_tokens=6)
+    )
     engine.close()
     return [group[0].text for group in groups]
 
@@ -63,8 +68,15 @@ def test_held_out_questions_never_appear_in_training_prompts_or_sft_demonstratio
 
 
 def test_toy_assets_with_an_eval_dir_keep_training_and_held_out_prompts_apart(tmp_path):
-    ensure_toy_assets(tmp_path / "m", tmp_path / "train", num_prompts=40, num_shards=2, max_operand=20,
-                      eval_dir=tmp_path / "eval", num_eval_prompts=30)
+    ensure_toy_assets(
+        tmp_path / "m",
+        tmp_path / "train",
+        num_prompts=40,
+        num_shards=2,
+        max_operand=20,
+        eval_dir=tmp_path / "eval",
+        num_eval_prompts=30,
+    )
     train = ds.dataset(tmp_path / "train", format="parquet").to_table().to_pylist()
     evaluation = ds.dataset(tmp_path / "eval", format="parquet").to_table().to_pylist()
     assert len(train) == 40 and len(evaluation) == 30

@@ -27,8 +27,9 @@ def test_mini_batches_hold_whole_prompt_groups_and_reshuffle_each_epoch():
     for batch in epoch_0:
         groups = set(group_N[batch].tolist())
         assert len(batch) == 4 * len(groups)  # no group is split
-    assert [b.tolist() for b in epoch_0] == [b.tolist() for b in mini_batches(group_N, groups_per_mini_batch=3,
-                                                                                seed=7, epoch=0)]
+    assert [b.tolist() for b in epoch_0] == [
+        b.tolist() for b in mini_batches(group_N, groups_per_mini_batch=3, seed=7, epoch=0)
+    ]
     assert [b.tolist() for b in epoch_0] != [b.tolist() for b in epoch_1]
 
 
@@ -110,8 +111,10 @@ def test_linear_warmup_then_constant_lr_takes_these_values():
 
 
 def test_cosine_lr_decays_from_lr_to_the_floor_at_the_last_step():
-    lrs = [lr_at_step(s, lr=2.0, schedule="cosine", warmup_steps=0, total_steps=4, min_lr_ratio=0.1)
-           for s in (0, 1, 2, 4, 9)]
+    lrs = [
+        lr_at_step(s, lr=2.0, schedule="cosine", warmup_steps=0, total_steps=4, min_lr_ratio=0.1)
+        for s in (0, 1, 2, 4, 9)
+    ]
     expected = [2.0, 2 * (0.1 + 0.45 * (1 + math.cos(math.pi / 4))), 2 * 0.55, 0.2, 0.2]
     assert lrs == pytest.approx(expected, rel=1e-12)
     with_warmup = [lr_at_step(s, lr=1.0, schedule="cosine", warmup_steps=2, total_steps=4) for s in range(4)]
@@ -131,10 +134,16 @@ def _samples(prompts, responses, prompt_ids=None):
 
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in responses])])
     prompt_ids = prompt_ids or [str(k) for k in range(len(prompts))]
-    return Samples(prompt_ids=prompt_ids, sample_idx=[0] * len(prompts), prompt_token_ids=prompts,
-                   response_token_ids=responses, rollout_logprobs=[[] for _ in prompts],
-                   advantages_N=np.arange(1.0, len(prompts) + 1), group_N=np.unique(prompt_ids, return_inverse=True)[1],
-                   response_offsets_N1=offsets)
+    return Samples(
+        prompt_ids=prompt_ids,
+        sample_idx=[0] * len(prompts),
+        prompt_token_ids=prompts,
+        response_token_ids=responses,
+        rollout_logprobs=[[] for _ in prompts],
+        advantages_N=np.arange(1.0, len(prompts) + 1),
+        group_N=np.unique(prompt_ids, return_inverse=True)[1],
+        response_offsets_N1=offsets,
+    )
 
 
 def test_collate_then_scatter_returns_each_response_token_value_to_its_place():
@@ -173,11 +182,13 @@ def test_a_pack_holds_the_prompt_once_and_each_response_sees_the_prompt_and_itse
     assert mb.position_ids_BL.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
     assert mb.real_tokens == 7
     allowed = mb.attention_mask[0, 0].int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0],
-                       [1, 1, 0, 0, 0],
-                       [1, 1, 1, 0, 0],   # response 0 sees the prompt and itself
-                       [1, 1, 1, 1, 0],
-                       [1, 1, 0, 0, 1]]   # response 1 sees the prompt, not response 0
+    assert allowed == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],  # response 0 sees the prompt and itself
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]  # response 1 sees the prompt, not response 0
     assert mb.attention_mask[1, 0].int().tolist()[:2] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
     assert all(row.any() for row in mb.attention_mask[1, 0])  # padding queries see something: no NaN rows
     # both responses' first tokens are predicted by the prompt's last position
@@ -194,23 +205,31 @@ def test_prompt_packs_group_equal_prompts_within_the_token_budget_and_leave_empt
     from batchrl.trainer.batching import prompt_packs
 
     key, prompt, response = [0, 0, 0, 1, 0, 2], [4, 4, 4, 3, 4, 0], [2, 3, 5, 1, 1, 2]
-    packs = prompt_packs(range(6), prompt_key_N=key, prompt_lengths_N=prompt, response_lengths_N=response,
-                         max_tokens=10)
+    packs = prompt_packs(
+        range(6), prompt_key_N=key, prompt_lengths_N=prompt, response_lengths_N=response, max_tokens=10
+    )
     # 4 + 2 + 3 = 9 fits, + 5 does not: a new pack for sample 2, which then takes sample 4 (4 + 5 + 1 = 10)
     assert packs == [[0, 1], [2, 4], [3], [5]]
-    assert prompt_packs([4, 0], prompt_key_N=key, prompt_lengths_N=prompt, response_lengths_N=response,
-                        max_tokens=100) == [[4, 0]]
+    assert prompt_packs(
+        [4, 0], prompt_key_N=key, prompt_lengths_N=prompt, response_lengths_N=response, max_tokens=100
+    ) == [[4, 0]]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(tmp_path, attention):
-    from batchrl_toy import build_toy_model
     from batchrl.trainer.data import collate, collate_packs
     from batchrl.trainer.forward import policy_logprobs
     from batchrl.trainer.fsdp import load_model
+    from batchrl_toy import build_toy_model
 
-    build_toy_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, num_layers=2)
+    build_toy_model(
+        tmp_path / "m",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_layers=2,
+    )
     model = load_model(str(tmp_path / "m")).eval()
     model.set_attn_implementation(attention)
     assert model.config._attn_implementation == attention
@@ -245,11 +264,12 @@ def test_shared_prompt_rows_give_the_unpacked_log_probs_entropies_and_gradients(
 
 
 def test_gradient_checkpointing_recomputes_each_decoder_layer_in_backward_and_keeps_dropout_off(tmp_path):
-    from batchrl_toy import build_toy_model
     from batchrl.trainer.fsdp import load_model, set_dropout_free_mode
+    from batchrl_toy import build_toy_model
 
-    build_toy_model(tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, seed=0)
+    build_toy_model(
+        tmp_path / "m", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0
+    )
     input_ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
     grads = {}
     for checkpointing in (False, True):
@@ -318,15 +338,36 @@ def test_the_spec_checks_its_own_fields():
         _spec(num_iterations=0)
 
 
-@pytest.mark.parametrize("option, value", [
-    ("num_processes", 0), ("micro_batch_size", 0), ("ppo_epochs", 0), ("max_tokens_per_micro_batch", 0),
-    ("ppo_mini_batch_size", 0), ("lr_total_steps", 0), ("loss_agg_norm_length", 0), ("lr", -1e-6),
-    ("weight_decay", -0.1), ("clip_ratio_low", -0.1), ("clip_ratio_high", -0.1), ("entropy_coeff", -0.1),
-    ("kl_loss_coef", -0.1), ("lr_warmup_steps", -1), ("lr_warmup_ratio", -0.1), ("lr_warmup_ratio", 1.5),
-    ("min_lr_ratio", -0.1), ("min_lr_ratio", 1.5), ("rollout_is_cap", 0.5), ("dual_clip_ratio", 1.0),
-    ("lr_schedule", "linear"), ("kl_estimator", "k4"), ("policy_loss", "grpo"), ("old_logprobs", "engine"),
-    ("backend", "mpi"),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("num_processes", 0),
+        ("micro_batch_size", 0),
+        ("ppo_epochs", 0),
+        ("max_tokens_per_micro_batch", 0),
+        ("ppo_mini_batch_size", 0),
+        ("lr_total_steps", 0),
+        ("loss_agg_norm_length", 0),
+        ("lr", -1e-6),
+        ("weight_decay", -0.1),
+        ("clip_ratio_low", -0.1),
+        ("clip_ratio_high", -0.1),
+        ("entropy_coeff", -0.1),
+        ("kl_loss_coef", -0.1),
+        ("lr_warmup_steps", -1),
+        ("lr_warmup_ratio", -0.1),
+        ("lr_warmup_ratio", 1.5),
+        ("min_lr_ratio", -0.1),
+        ("min_lr_ratio", 1.5),
+        ("rollout_is_cap", 0.5),
+        ("dual_clip_ratio", 1.0),
+        ("lr_schedule", "linear"),
+        ("kl_estimator", "k4"),
+        ("policy_loss", "grpo"),
+        ("old_logprobs", "engine"),
+        ("backend", "mpi"),
+    ],
+)
 def test_the_bounds_an_update_spec_once_checked_itself_are_the_configs(option, value):
     """UpdateSpec re-checked these until it carried the config (issue 12); each is now UpdateConfig's alone."""
     from pydantic import ValidationError

@@ -35,8 +35,9 @@ def policies(workdir) -> tuple[Path, Path]:
     from batchrl_toy import build_toy_model
 
     reference, policy = workdir / "reference", workdir / "policy_in"
-    build_toy_model(reference, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                    seed=0)
+    build_toy_model(
+        reference, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0
+    )
     model = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -61,12 +62,18 @@ def two_updates(launch, *, out: Path, policies, advantages_files) -> list[Path]:
     reference, policy_in = policies
     outs = [out / "update-0", out / "update-1"]
     for index, update_out in enumerate(outs):
-        spec = make_spec(policy_in=str(policy_in if index == 0 else outs[0] / "policy"),
-                         policy_out=str(update_out / "policy"), advantages_files=advantages_files,
-                         metrics_path=str(update_out / "metrics.json"), reference_policy=str(reference),
-                         trainer_state_in=None if index == 0 else str(outs[0] / "trainer_state"),
-                         trainer_state_out=str(update_out / "trainer_state"),
-                         logprobs_out=str(update_out / "logprobs.parquet"), seed=index, **OPTIONS)
+        spec = make_spec(
+            policy_in=str(policy_in if index == 0 else outs[0] / "policy"),
+            policy_out=str(update_out / "policy"),
+            advantages_files=advantages_files,
+            metrics_path=str(update_out / "metrics.json"),
+            reference_policy=str(reference),
+            trainer_state_in=None if index == 0 else str(outs[0] / "trainer_state"),
+            trainer_state_out=str(update_out / "trainer_state"),
+            logprobs_out=str(update_out / "logprobs.parquet"),
+            seed=index,
+            **OPTIONS,
+        )
         launch(spec)
     return outs
 
@@ -91,8 +98,9 @@ def same_logprobs(table_a: pa.Table, table_b: pa.Table) -> bool:
         if pa.types.is_floating(a.type):
             a, b = a.to_numpy(zero_copy_only=False), b.to_numpy(zero_copy_only=False)
             scale = np.maximum(terms, 1) if name.endswith("_sum") else 1
-            if not np.all(np.isclose(a, b, rtol=LOGPROB_RTOL, atol=0, equal_nan=True)
-                          | (np.abs(a - b) <= LOGPROB_ATOL * scale)):
+            if not np.all(
+                np.isclose(a, b, rtol=LOGPROB_RTOL, atol=0, equal_nan=True) | (np.abs(a - b) <= LOGPROB_ATOL * scale)
+            ):
                 return False
         elif a != b:
             return False
@@ -100,23 +108,38 @@ def same_logprobs(table_a: pa.Table, table_b: pa.Table) -> bool:
 
 
 def test_ray_actors_train_the_same_weights_as_local_processes_and_upload_every_ranks_files(
-        ray_session, workdir, policies, advantages_files, monkeypatch):
+    ray_session, workdir, policies, advantages_files, monkeypatch
+):
     # One thread per rank in both launchers (a Ray actor with 1 CPU gets OMP_NUM_THREADS=1).
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    local = two_updates(lambda spec: run_update(spec, timeout_s=TIMEOUT_S), out=workdir / "local",
-                        policies=policies, advantages_files=advantages_files)
+    local = two_updates(
+        lambda spec: run_update(spec, timeout_s=TIMEOUT_S),
+        out=workdir / "local",
+        policies=policies,
+        advantages_files=advantages_files,
+    )
     results = []
-    on_ray = two_updates(lambda spec: results.append(run_update_on_ray(spec, timeout_s=TIMEOUT_S)),
-                         out=workdir / "ray", policies=policies, advantages_files=advantages_files)
+    on_ray = two_updates(
+        lambda spec: results.append(run_update_on_ray(spec, timeout_s=TIMEOUT_S)),
+        out=workdir / "ray",
+        policies=policies,
+        advantages_files=advantages_files,
+    )
 
     for local_out, ray_out in zip(local, on_ray):
         weights_local, weights_ray = load_weights(local_out / "policy"), load_weights(ray_out / "policy")
         assert max((weights_local[k] - weights_ray[k]).abs().max().item() for k in weights_local) <= 1e-6
         assert same_logprobs(pq.read_table(local_out / "logprobs.parquet"), pq.read_table(ray_out / "logprobs.parquet"))
-        assert sorted(p.relative_to(local_out).as_posix() for p in local_out.rglob("*") if p.is_file()) == \
-            sorted(p.relative_to(ray_out).as_posix() for p in ray_out.rglob("*") if p.is_file())
-    assert {Path(f.uri).name for f in results[0].uploaded} >= {"__0_0.distcp", "__1_0.distcp", ".metadata",
-                                                               "trainer_state.json", "model.safetensors"}
+        assert sorted(p.relative_to(local_out).as_posix() for p in local_out.rglob("*") if p.is_file()) == sorted(
+            p.relative_to(ray_out).as_posix() for p in ray_out.rglob("*") if p.is_file()
+        )
+    assert {Path(f.uri).name for f in results[0].uploaded} >= {
+        "__0_0.distcp",
+        "__1_0.distcp",
+        ".metadata",
+        "trainer_state.json",
+        "model.safetensors",
+    }
     assert all(Path(f.uri).stat().st_size == f.num_bytes for f in results[0].uploaded)
     assert results[1].metrics["actor/optimizer_state_restored"] == 1.0 and results[1].metrics["actor/kl_loss"] > 0
     assert results[1].metrics["actor/global_step"] == 4
@@ -133,9 +156,14 @@ def test_a_failing_rank_raises_its_error_and_leaves_no_placement_group(ray_sessi
 
     rows = synthetic_rows(vocab_size=AutoConfig.from_pretrained(str(policies[0])).vocab_size, seed=4)
     rows[3]["advantage"] = float("nan")
-    spec = make_spec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
-                     advantages_files=write_advantages(rows, tmp_path / "advantages"),
-                     metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo")
+    spec = make_spec(
+        policy_in=str(policies[1]),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=write_advantages(rows, tmp_path / "advantages"),
+        metrics_path=str(tmp_path / "metrics.json"),
+        num_processes=2,
+        backend="gloo",
+    )
 
     with pytest.raises(RuntimeError, match=r"update rank \d failed on Ray(.|\n)*NaN"):
         run_update_on_ray(spec, timeout_s=TIMEOUT_S)
@@ -162,20 +190,30 @@ def test_auto_launches_on_ray_only_on_a_cluster_and_the_launcher_is_not_in_the_f
     assert _launcher(config(), embedded_ray=False) == "ray"
     assert _launcher(config(launcher="local"), embedded_ray=False) == "local"
     fingerprint = UpdateStage().fingerprint_config
-    assert fingerprint(config(launcher="ray", cpus_per_rank=4)) == fingerprint(config(launcher="local")) == \
-        fingerprint(config())
+    assert (
+        fingerprint(config(launcher="ray", cpus_per_rank=4))
+        == fingerprint(config(launcher="local"))
+        == fingerprint(config())
+    )
     (tmp_path / "p.yaml").write_text("name: t\nmodel: {path: m}\ndata: {train_files: [x]}\nupdate: {launcher: slurm}\n")
     with pytest.raises(ConfigError, match=r"update\.launcher"):
         load_pipeline(tmp_path / "p.yaml")
 
 
 def test_ranks_the_cluster_cannot_place_fail_with_what_was_asked_and_what_the_cluster_has(
-        ray_session, tmp_path, policies, monkeypatch):
+    ray_session, tmp_path, policies, monkeypatch
+):
     from batchrl.trainer import ray_launch
 
     monkeypatch.setattr(ray_launch, "PLACEMENT_TIMEOUT_S", 1.0)
-    spec = make_spec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
-                     advantages_files=[str(tmp_path / "part-00000.parquet")], metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo")
+    spec = make_spec(
+        policy_in=str(policies[1]),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=[str(tmp_path / "part-00000.parquet")],
+        metrics_path=str(tmp_path / "metrics.json"),
+        num_processes=2,
+        backend="gloo",
+    )
     with pytest.raises(RuntimeError, match=r"could not place 2 rank\(s\) of \{'CPU': 3.0\}(.|\n)*'CPU': 2.0"):
         run_update_on_ray(spec, cpus_per_rank=3, timeout_s=TIMEOUT_S)
     assert placement_groups_left() == []
@@ -190,8 +228,11 @@ def tampered_trainer_state(root: Path, marker: Path) -> tuple[Path, dict[str, st
 
     from batchrl.trainer.integrity import file_sha256
 
-    files = {"trainer_state.json": b'{"global_step": 1}', "optimizer/.metadata": b"metadata as DCP wrote it",
-             "optimizer/__0_0.distcp": b"moments"}
+    files = {
+        "trainer_state.json": b'{"global_step": 1}',
+        "optimizer/.metadata": b"metadata as DCP wrote it",
+        "optimizer/__0_0.distcp": b"moments",
+    }
     for name, data in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
@@ -201,15 +242,22 @@ def tampered_trainer_state(root: Path, marker: Path) -> tuple[Path, dict[str, st
 
 
 def test_ray_ranks_refuse_a_trainer_state_that_does_not_hash_as_recorded_before_loading_it(
-        ray_session, tmp_path, policies, advantages_files):
+    ray_session, tmp_path, policies, advantages_files
+):
     from batchrl.trainer.integrity import TrainerStateError
 
     marker = tmp_path / "code-ran"
     state, recorded = tampered_trainer_state(tmp_path / "state", marker)
-    spec = make_spec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
-                     advantages_files=advantages_files, metrics_path=str(tmp_path / "metrics.json"),
-                     reference_policy=str(policies[0]),
-                     trainer_state_in=str(state), trainer_state_sha256=recorded, **OPTIONS)
+    spec = make_spec(
+        policy_in=str(policies[1]),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=advantages_files,
+        metrics_path=str(tmp_path / "metrics.json"),
+        reference_policy=str(policies[0]),
+        trainer_state_in=str(state),
+        trainer_state_sha256=recorded,
+        **OPTIONS,
+    )
     with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256"):
         run_update_on_ray(spec, timeout_s=TIMEOUT_S)
     assert not marker.exists() and placement_groups_left() == []
@@ -229,10 +277,14 @@ def test_a_ray_actor_checks_the_whole_trainer_state_it_downloads(tmp_path, polic
     for path in state.rglob("*"):
         if path.is_file():
             remote.pipe_file(f"/{tmp_path.name}/state/{path.relative_to(state).as_posix()}", path.read_bytes())
-    spec = make_spec(policy_in=str(policies[1]), policy_out=str(tmp_path / "policy"),
-                     advantages_files=advantages_files, metrics_path=str(tmp_path / "metrics.json"),
-                     trainer_state_in=f"memory://{tmp_path.name}/state",
-                     trainer_state_sha256=recorded)
+    spec = make_spec(
+        policy_in=str(policies[1]),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=advantages_files,
+        metrics_path=str(tmp_path / "metrics.json"),
+        trainer_state_in=f"memory://{tmp_path.name}/state",
+        trainer_state_sha256=recorded,
+    )
     with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256"):
         stage_inputs(spec, tmp_path / "scratch")
     assert not marker.exists()

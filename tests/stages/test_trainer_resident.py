@@ -19,8 +19,15 @@ from batchrl.trainer import launch, run_update, shutdown_trainers
 
 TIMEOUT_S = 120
 # Two mini-batches per update, so the second update's steps depend on the Adam moments the first one left.
-OPTIONS = dict(num_processes=2, backend="gloo", lr=1e-4, micro_batch_size=2, ppo_mini_batch_size=2, ppo_epochs=1,
-               entropy_coeff=0.01)
+OPTIONS = dict(
+    num_processes=2,
+    backend="gloo",
+    lr=1e-4,
+    micro_batch_size=2,
+    ppo_mini_batch_size=2,
+    ppo_epochs=1,
+    entropy_coeff=0.01,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +46,9 @@ def advantages(tiny_policy, tmp_path_factory) -> list[list[str]]:
 
     vocab_size = AutoConfig.from_pretrained(str(tiny_policy)).vocab_size
     root = tmp_path_factory.mktemp("resident_advantages")
-    return [write_advantages(synthetic_rows(vocab_size=vocab_size, seed=seed), root / f"update{seed}")
-            for seed in range(2)]
+    return [
+        write_advantages(synthetic_rows(vocab_size=vocab_size, seed=seed), root / f"update{seed}") for seed in range(2)
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -63,9 +71,16 @@ def two_updates(root: Path, tiny_policy: Path, advantages: list[list[str]], *, r
     metrics, policy_in, state_in = [], str(tiny_policy), None
     for index, files in enumerate(advantages):
         out = root / f"update{index}"
-        spec = make_spec(policy_in=policy_in, policy_out=str(out / "policy"), advantages_files=files,
-                         metrics_path=str(out / "metrics.json"), trainer_state_in=state_in,
-                         trainer_state_out=str(out / "trainer_state"), seed=index, **OPTIONS)
+        spec = make_spec(
+            policy_in=policy_in,
+            policy_out=str(out / "policy"),
+            advantages_files=files,
+            metrics_path=str(out / "metrics.json"),
+            trainer_state_in=state_in,
+            trainer_state_out=str(out / "trainer_state"),
+            seed=index,
+            **OPTIONS,
+        )
         metrics.append(run_update(spec, timeout_s=TIMEOUT_S, resident=resident))
         policy_in = str(publish(out / "policy", root / f"published{index}"))
         state_in = str(publish(out / "trainer_state", root / f"published{index}" / "_trainer_state"))
@@ -80,9 +95,7 @@ def load_tensors(policy_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(policy_dir / "model.safetensors"))
 
 
-def test_resident_ranks_reuse_their_model_and_train_the_same_weights_as_fresh_ones(
-    tiny_policy, advantages, tmp_path
-):
+def test_resident_ranks_reuse_their_model_and_train_the_same_weights_as_fresh_ones(tiny_policy, advantages, tmp_path):
     fresh_metrics, fresh_policy = two_updates(tmp_path / "fresh", tiny_policy, advantages, resident=False)
     assert launch._POOL is None
     resident_metrics, resident_policy = two_updates(tmp_path / "resident", tiny_policy, advantages, resident=True)
@@ -119,15 +132,24 @@ def test_a_failing_resident_update_drops_the_ranks_and_the_next_starts_fresh(tin
 
     rows = synthetic_rows(vocab_size=AutoConfig.from_pretrained(str(tiny_policy)).vocab_size, seed=3)
     rows[3]["advantage"] = float("nan")
-    bad = make_spec(policy_in=str(tiny_policy), policy_out=str(tmp_path / "bad" / "policy"),
-                    advantages_files=write_advantages(rows, tmp_path / "bad_advantages"),
-                    metrics_path=str(tmp_path / "bad" / "metrics.json"), **OPTIONS)
+    bad = make_spec(
+        policy_in=str(tiny_policy),
+        policy_out=str(tmp_path / "bad" / "policy"),
+        advantages_files=write_advantages(rows, tmp_path / "bad_advantages"),
+        metrics_path=str(tmp_path / "bad" / "metrics.json"),
+        **OPTIONS,
+    )
     with pytest.raises(RuntimeError, match="NaN"):
         run_update(bad, timeout_s=TIMEOUT_S, resident=True)
     assert launch._POOL is None and not Path(bad.policy_out).exists()
 
-    good = make_spec(policy_in=str(tiny_policy), policy_out=str(tmp_path / "good" / "policy"),
-                     advantages_files=advantages[0], metrics_path=str(tmp_path / "good" / "metrics.json"), **OPTIONS)
+    good = make_spec(
+        policy_in=str(tiny_policy),
+        policy_out=str(tmp_path / "good" / "policy"),
+        advantages_files=advantages[0],
+        metrics_path=str(tmp_path / "good" / "metrics.json"),
+        **OPTIONS,
+    )
     assert run_update(good, timeout_s=TIMEOUT_S, resident=True)["actor/trainer_reused"] == 0.0
 
 

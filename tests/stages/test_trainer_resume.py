@@ -24,8 +24,9 @@ from batchrl.trainer.integrity import TrainerStateError, file_sha256
 
 LR = 1e-3  # large enough that a step without Adam's carried moments lands visibly elsewhere
 TIMEOUT_S = 120
-COMMON = dict(backend="gloo", lr=LR, old_logprobs="rollout", kl_loss_coef=0.5, lr_warmup_steps=2,
-              max_tokens_per_micro_batch=64)
+COMMON = dict(
+    backend="gloo", lr=LR, old_logprobs="rollout", kl_loss_coef=0.5, lr_warmup_steps=2, max_tokens_per_micro_batch=64
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +61,25 @@ def runs(workdir, tiny_policy, advantages_files):
 
     def spec(name: str, **options) -> UpdateSpec:
         options = {"policy_in": str(tiny_policy), "reference_policy": str(tiny_policy), **COMMON, **options}
-        return make_spec(policy_out=str(workdir / name / "policy"), advantages_files=advantages_files,
-                         metrics_path=str(workdir / name / "metrics.json"),
-                         logprobs_out=str(workdir / name / "logprobs.parquet"), **options)
+        return make_spec(
+            policy_out=str(workdir / name / "policy"),
+            advantages_files=advantages_files,
+            metrics_path=str(workdir / name / "metrics.json"),
+            logprobs_out=str(workdir / name / "logprobs.parquet"),
+            **options,
+        )
 
     def _run(name: str) -> tuple[dict, UpdateSpec]:
         if name not in _RUNS:
             first = workdir / "first"
             specs = {
                 "first": lambda: spec("first", num_processes=2, trainer_state_out=str(first / "state")),
-                "second": lambda: spec("second", policy_in=str(_run("first")[1].policy_out),
-                                       trainer_state_in=str(first / "state"),
-                                       trainer_state_sha256=recorded_digests(first / "state")),
+                "second": lambda: spec(
+                    "second",
+                    policy_in=str(_run("first")[1].policy_out),
+                    trainer_state_in=str(first / "state"),
+                    trainer_state_sha256=recorded_digests(first / "state"),
+                ),
                 "fresh": lambda: spec("fresh", policy_in=str(_run("first")[1].policy_out)),
                 "both_epochs": lambda: spec("both_epochs", ppo_epochs=2),
             }
@@ -115,12 +123,14 @@ def test_two_updates_carrying_the_optimizer_state_equal_one_update_of_two_epochs
     assert fresh_metrics["actor/lr"] == pytest.approx(LR / 3)
     assert max_weight_diff(Path(fresh.policy_out), Path(both.policy_out)) > 1e-4  # the state is what matters
     assert sorted(p.name for p in Path(runs("first")[1].trainer_state_out).rglob("*")) == sorted(
-        ["optimizer", ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"])
+        ["optimizer", ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"]
+    )
 
 
 @pytest.mark.parametrize("resident", [False, True])
-def test_a_trainer_state_file_that_does_not_hash_as_recorded_is_refused_before_it_is_unpickled(runs, tmp_path,
-                                                                                               resident):
+def test_a_trainer_state_file_that_does_not_hash_as_recorded_is_refused_before_it_is_unpickled(
+    runs, tmp_path, resident
+):
     from batchrl.trainer import shutdown_trainers
 
     _, first = runs("first")
@@ -133,10 +143,17 @@ def test_a_trainer_state_file_that_does_not_hash_as_recorded_is_refused_before_i
     assert marker.exists()
     marker.unlink()
     (state / "optimizer" / ".metadata").write_bytes(planted)
-    spec = respec(first, policy_in=first.policy_out, num_processes=1, trainer_state_in=str(state),
-                  trainer_state_sha256=recorded, trainer_state_out=None,
-                  policy_out=str(tmp_path / "policy"), metrics_path=str(tmp_path / "metrics.json"),
-                  logprobs_out=str(tmp_path / "logprobs.parquet"))
+    spec = respec(
+        first,
+        policy_in=first.policy_out,
+        num_processes=1,
+        trainer_state_in=str(state),
+        trainer_state_sha256=recorded,
+        trainer_state_out=None,
+        policy_out=str(tmp_path / "policy"),
+        metrics_path=str(tmp_path / "metrics.json"),
+        logprobs_out=str(tmp_path / "logprobs.parquet"),
+    )
     try:
         with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256 .* is not the .* recorded"):
             run_update(spec, timeout_s=TIMEOUT_S, resident=resident)
@@ -188,9 +205,17 @@ def test_the_kl_loss_and_the_recorded_logprobs_match_a_hand_computation(runs, ti
 def test_a_bfloat16_mixed_precision_update_trains_and_saves_float32_weights(workdir, tiny_policy, advantages_files):
     from safetensors import safe_open
 
-    spec = make_spec(policy_in=str(tiny_policy), policy_out=str(workdir / "bf16" / "policy"),
-                     advantages_files=advantages_files, metrics_path=str(workdir / "bf16" / "metrics.json"),
-                     backend="gloo", dtype="bfloat16", lr=LR, ppo_mini_batch_size=2, max_tokens_per_micro_batch=64)
+    spec = make_spec(
+        policy_in=str(tiny_policy),
+        policy_out=str(workdir / "bf16" / "policy"),
+        advantages_files=advantages_files,
+        metrics_path=str(workdir / "bf16" / "metrics.json"),
+        backend="gloo",
+        dtype="bfloat16",
+        lr=LR,
+        ppo_mini_batch_size=2,
+        max_tokens_per_micro_batch=64,
+    )
     metrics = run_update(spec, timeout_s=TIMEOUT_S)
 
     assert all(math.isfinite(v) for v in metrics.values()) and metrics["actor/num_optimizer_steps"] == 2
@@ -207,11 +232,24 @@ def stage_context(tmp_path: Path, *, iteration: int, keep: int | None):
     from batchrl.pipeline.stage import StageContext
     from batchrl.storage import RunLayout
 
-    cfg = PipelineConfig(name="t", run={"root": str(tmp_path), "iterations": 5}, model={"path": "m"},
-                         data={"train_files": ["x.parquet"]}, update={"keep_last_k_optimizer_states": keep})
+    cfg = PipelineConfig(
+        name="t",
+        run={"root": str(tmp_path), "iterations": 5},
+        model={"path": "m"},
+        data={"train_files": ["x.parquet"]},
+        update={"keep_last_k_optimizer_states": keep},
+    )
     layout = RunLayout.for_run(str(tmp_path), "t")
-    return StageContext(cfg=cfg, layout=layout, iteration=iteration, output_dir=layout.table_dir("policy", iteration),
-                        fingerprint="f", inputs={}, input_dirs={}, policy_in=layout.table_dir("policy", iteration - 1))
+    return StageContext(
+        cfg=cfg,
+        layout=layout,
+        iteration=iteration,
+        output_dir=layout.table_dir("policy", iteration),
+        fingerprint="f",
+        inputs={},
+        input_dirs={},
+        policy_in=layout.table_dir("policy", iteration - 1),
+    )
 
 
 def committed_policy(policy_dir: Path, *, state: bool | None = True) -> None:
@@ -221,15 +259,29 @@ def committed_policy(policy_dir: Path, *, state: bool | None = True) -> None:
 
     files = {"model.safetensors": b"weights"}
     if state is not False:
-        files |= {"_trainer_state/trainer_state.json": b'{"global_step": 1}',
-                  "_trainer_state/optimizer/.metadata": b"metadata", "_trainer_state/optimizer/__0_0.distcp": b"x"}
+        files |= {
+            "_trainer_state/trainer_state.json": b'{"global_step": 1}',
+            "_trainer_state/optimizer/.metadata": b"metadata",
+            "_trainer_state/optimizer/__0_0.distcp": b"x",
+        }
     for name, data in files.items():
         (policy_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (policy_dir / name).write_bytes(data)
     listed = [PartInfo(name, 0, file_sha256(policy_dir / name), len(data)) for name, data in files.items()]
-    write_manifest(str(policy_dir), Manifest(
-        stage="update", table="policy", iteration=0, fingerprint="f", parts=listed[:1], schema="", started_at=0.0,
-        finished_at=1.0, trainer_state=None if state is None else listed[1:]))
+    write_manifest(
+        str(policy_dir),
+        Manifest(
+            stage="update",
+            table="policy",
+            iteration=0,
+            fingerprint="f",
+            parts=listed[:1],
+            schema="",
+            started_at=0.0,
+            finished_at=1.0,
+            trainer_state=None if state is None else listed[1:],
+        ),
+    )
 
 
 @pytest.mark.parametrize("keep, kept", [(1, [2]), (2, [1, 2]), (None, [0, 1, 2])])
@@ -260,8 +312,11 @@ def test_an_update_whose_optimizer_state_is_gone_stops_with_the_iteration_to_red
         committed_policy(Path(ctx.layout.table_dir("policy", iteration)))
     shutil.rmtree(Path(ctx.layout.table_dir("policy", 0), "_trainer_state"))  # as keep-last-1 pruning leaves it
     (Path(ctx.policy_in) / "_trainer_state" / "optimizer" / "__0_0.distcp").unlink()
-    with pytest.raises(DataError, match=r"iter_0002/policy/_trainer_state/optimizer/__0_0.distcp is gone.*"
-                                        r"--from-stage update --iteration 2 "):
+    with pytest.raises(
+        DataError,
+        match=r"iter_0002/policy/_trainer_state/optimizer/__0_0.distcp is gone.*"
+        r"--from-stage update --iteration 2 ",
+    ):
         _recorded_trainer_state(ctx)  # iteration 1's state is intact: updates 2 and 3 can be redone from it
     shutil.rmtree(Path(ctx.layout.table_dir("policy", 1), "_trainer_state"))
     with pytest.raises(DataError, match=r"--from-stage update --iteration 0 "):
@@ -269,7 +324,8 @@ def test_an_update_whose_optimizer_state_is_gone_stops_with_the_iteration_to_red
 
 
 def test_an_update_restarts_adam_only_after_an_update_that_saved_no_state_and_trusts_older_manifests_unverified(
-        tmp_path, caplog):
+    tmp_path, caplog
+):
     from batchrl.stages.update import _recorded_trainer_state
 
     ctx = stage_context(tmp_path, iteration=1, keep=1)
@@ -285,13 +341,19 @@ def test_extending_a_run_keeps_update_fingerprints_unless_the_lr_schedule_spans_
     from batchrl.stages.update import UpdateStage
 
     def fingerprint(iterations: int, **update) -> dict:
-        cfg = PipelineConfig(name="t", run={"iterations": iterations}, model={"path": "m"},
-                             data={"train_files": ["x.parquet"]}, update=update)
+        cfg = PipelineConfig(
+            name="t",
+            run={"iterations": iterations},
+            model={"path": "m"},
+            data={"train_files": ["x.parquet"]},
+            update=update,
+        )
         return UpdateStage().fingerprint_config(cfg)
 
     assert fingerprint(2) == fingerprint(4)
-    assert fingerprint(2, lr_schedule="cosine", lr_total_steps=100) == fingerprint(4, lr_schedule="cosine",
-                                                                                 lr_total_steps=100)
+    assert fingerprint(2, lr_schedule="cosine", lr_total_steps=100) == fingerprint(
+        4, lr_schedule="cosine", lr_total_steps=100
+    )
     assert fingerprint(2, lr_schedule="cosine") != fingerprint(4, lr_schedule="cosine")
     assert fingerprint(2, keep_last_k_optimizer_states=1) == fingerprint(2, keep_last_k_optimizer_states=3)
     assert fingerprint(2, keep_last_k_optimizer_states=1) != fingerprint(2, keep_last_k_optimizer_states=0)
@@ -305,25 +367,55 @@ def test_update_fingerprints_are_those_of_earlier_batchrl_versions():
     from batchrl.storage.manifest import fingerprint
 
     def digest(**update) -> str:
-        cfg = PipelineConfig(name="t", run={"iterations": 3, "seed": 7}, model={"path": "m"},
-                             data={"train_files": ["x.parquet"]}, update=update)
+        cfg = PipelineConfig(
+            name="t",
+            run={"iterations": 3, "seed": 7},
+            model={"path": "m"},
+            data={"train_files": ["x.parquet"]},
+            update=update,
+        )
         return fingerprint(dict(UpdateStage().fingerprint_config(cfg), iteration=1))
 
     assert digest() == "83d2e725bdd353b8fe2b"
-    assert digest(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4,
-                  loss_agg_mode="seq-mean-token-sum-norm", kl_loss_coef=0.1, lr_schedule="cosine", lr_warmup_ratio=0.1,
-                  ppo_mini_batch_size=2, max_tokens_per_micro_batch=512, share_prompt=True,
-                  keep_last_k_optimizer_states=0) == "2dcc005a0322465e0aaf"
+    assert (
+        digest(
+            policy_loss="gspo",
+            clip_ratio_low=3e-4,
+            clip_ratio_high=4e-4,
+            loss_agg_mode="seq-mean-token-sum-norm",
+            kl_loss_coef=0.1,
+            lr_schedule="cosine",
+            lr_warmup_ratio=0.1,
+            ppo_mini_batch_size=2,
+            max_tokens_per_micro_batch=512,
+            share_prompt=True,
+            keep_last_k_optimizer_states=0,
+        )
+        == "2dcc005a0322465e0aaf"
+    )
 
 
 def test_the_stage_hands_the_ranks_its_validated_update_config_with_the_norm_length_resolved(tmp_path):
     from batchrl.stages.update import _spec
 
     ctx = stage_context(tmp_path, iteration=2, keep=1)
-    ctx.cfg.update = {"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-sum-norm", "kl_loss_coef": 0.1,
-                      "keep_last_k_optimizer_states": 1}
-    spec = _spec(ctx, policy_in="in", reference_policy="m", advantages_files=["a.parquet"], trainer_state_in=None,
-                 trainer_state_sha256=None, policy_out="out", out_dir=str(tmp_path), metrics_path="m.json")
+    ctx.cfg.update = {
+        "policy_loss": "gspo",
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "kl_loss_coef": 0.1,
+        "keep_last_k_optimizer_states": 1,
+    }
+    spec = _spec(
+        ctx,
+        policy_in="in",
+        reference_policy="m",
+        advantages_files=["a.parquet"],
+        trainer_state_in=None,
+        trainer_state_sha256=None,
+        policy_out="out",
+        out_dir=str(tmp_path),
+        metrics_path="m.json",
+    )
 
     resolved = {"loss_agg_norm_length"}
     assert spec.update.model_dump(exclude=resolved) == ctx.cfg.update.model_dump(exclude=resolved)

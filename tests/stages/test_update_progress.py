@@ -31,9 +31,18 @@ def test_a_two_rank_update_reports_every_step_once_and_ends_at_the_total(tiny_po
     vocab_size = AutoConfig.from_pretrained(str(tiny_policy)).vocab_size
     files = write_advantages(synthetic_rows(vocab_size=vocab_size), tmp_path / "advantages")
     # 4 prompts in mini-batches of 2 prompts, 2 epochs: 4 optimizer steps.
-    spec = make_spec(policy_in=str(tiny_policy), policy_out=str(tmp_path / "policy"), advantages_files=files,
-                     metrics_path=str(tmp_path / "metrics.json"), num_processes=2, backend="gloo", lr=1e-4,
-                     micro_batch_size=2, ppo_mini_batch_size=2, ppo_epochs=2)
+    spec = make_spec(
+        policy_in=str(tiny_policy),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=files,
+        metrics_path=str(tmp_path / "metrics.json"),
+        num_processes=2,
+        backend="gloo",
+        lr=1e-4,
+        micro_batch_size=2,
+        ppo_mini_batch_size=2,
+        ppo_epochs=2,
+    )
     records = []
     metrics = run_update(spec, timeout_s=120, on_progress=records.append)
 

@@ -30,10 +30,16 @@ def test_majority_vote_breaks_ties_by_first_answer_and_ignores_abstentions():
 def test_metrics_of_hand_made_sampled_results_are_exact_per_data_source_without_greedy_ones():
     scores_PK = np.array([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.5]])
     metrics = evaluation_metrics(
-        np.array(["a", "a", "b"], dtype=object), greedy_score_P=None, greedy_answered_P=None, greedy_length_P=None,
-        sample_scores_PK=scores_PK, sample_answered_PK=np.array([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], bool),
+        np.array(["a", "a", "b"], dtype=object),
+        greedy_score_P=None,
+        greedy_answered_P=None,
+        greedy_length_P=None,
+        sample_scores_PK=scores_PK,
+        sample_answered_PK=np.array([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], bool),
         sample_lengths_PK=np.array([[2, 4, 6, 8], [1, 1, 1, 1], [3, 3, 3, 3]], float),
-        majority_score_P=np.array([1.0, 0.0, 1.0]), pass_threshold=1.0)
+        majority_score_P=np.array([1.0, 0.0, 1.0]),
+        pass_threshold=1.0,
+    )
     assert not any(name.endswith("@1") and "pass@" not in name for name in metrics)  # no greedy: no mean@1
     assert metrics["val-core/a/reward/mean@4"] == pytest.approx(2 / 8)
     assert metrics["val-core/a/reward/pass@4"] == pytest.approx(0.5)  # one prompt of two has a pass

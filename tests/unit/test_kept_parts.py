@@ -5,10 +5,10 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrl.storage.manifest import Manifest, PartInfo
-from batchrl.storage.schemas import load_schema
 from batchrl.pipeline.shards import pending_shards
 from batchrl.storage import write_parquet_atomic
+from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage.schemas import load_schema
 
 
 def prompts_part(prompt_ids: list[str]) -> pa.Table:
@@ -35,15 +35,28 @@ def stage_dirs(tmp_path):
         name = f"part-{k:05d}.parquet"
         size, digest = write_parquet_atomic(prompts_part([f"p{k}-0", f"p{k}-1"]), str(input_dir / name))
         parts.append(PartInfo(name=name, rows=2, sha256=digest, num_bytes=size))
-    manifest = Manifest(stage="x", table="in", iteration=None, fingerprint="f", parts=parts, schema="prompts",
-                        started_at=0.0, finished_at=0.0)
+    manifest = Manifest(
+        stage="x",
+        table="in",
+        iteration=None,
+        fingerprint="f",
+        parts=parts,
+        schema="prompts",
+        started_at=0.0,
+        finished_at=0.0,
+    )
     output_dir.mkdir()
     return input_dir, output_dir, manifest
 
 
 def pending(input_dir, output_dir, manifest):
-    return pending_shards(input_dir=str(input_dir), input_manifest=manifest, output_dir=str(output_dir),
-                          schema="prompts", summarize=lambda table: {"rows": table.num_rows})
+    return pending_shards(
+        input_dir=str(input_dir),
+        input_manifest=manifest,
+        output_dir=str(output_dir),
+        schema="prompts",
+        summarize=lambda table: {"rows": table.num_rows},
+    )
 
 
 def test_a_part_of_this_stage_is_kept_with_its_counts_and_the_missing_shard_is_a_job(tmp_path):

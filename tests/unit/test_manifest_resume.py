@@ -21,18 +21,22 @@ from batchrl.config import ConfigError, validate_dict
 from batchrl.pipeline import lock as lock_module
 from batchrl.pipeline.lineage import files_to_ingest, resolve_lineage
 from batchrl.pipeline.lock import RunLock, RunLockedError, break_lock, holder_state
-from batchrl.storage.manifest import Manifest, PartInfo, content_digest, damaged_parts, read_manifest, write_manifest
 from batchrl.pipeline.runner import STARTED_MARKER, Runner, build_plan, check_from_stage, current_input_digest
 from batchrl.pipeline.stage import STAGES, StageOutput
 from batchrl.stages.update import UpdateStage
 from batchrl.storage import file_identities, write_parquet_atomic
+from batchrl.storage.manifest import Manifest, PartInfo, content_digest, damaged_parts, read_manifest, write_manifest
 
 
 def config(tmp_path: Path, **run) -> object:
-    return validate_dict({
-        "name": "r", "run": {"root": str(tmp_path / "runs"), "iterations": 2, **run},
-        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}, "data": {"train_files": [str(tmp_path / "in")]},
-    })
+    return validate_dict(
+        {
+            "name": "r",
+            "run": {"root": str(tmp_path / "runs"), "iterations": 2, **run},
+            "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"},
+            "data": {"train_files": [str(tmp_path / "in")]},
+        }
+    )
 
 
 def commit(table_dir: str, *, stage: str, fp: str, num_parts: int = 2, rows: int = 3) -> Manifest:
@@ -42,8 +46,16 @@ def commit(table_dir: str, *, stage: str, fp: str, num_parts: int = 2, rows: int
         name = f"part-{k:05d}.parquet"
         num_bytes, digest = write_parquet_atomic(pa.table({"x": list(range(rows))}), f"{table_dir}/{name}")
         parts.append(PartInfo(name=name, rows=rows, sha256=digest, num_bytes=num_bytes))
-    manifest = Manifest(stage=stage, table=stage, iteration=None, fingerprint=fp, parts=parts, schema="s",
-                        started_at=0.0, finished_at=1.0)
+    manifest = Manifest(
+        stage=stage,
+        table=stage,
+        iteration=None,
+        fingerprint=fp,
+        parts=parts,
+        schema="s",
+        started_at=0.0,
+        finished_at=1.0,
+    )
     write_manifest(table_dir, manifest)
     Path(table_dir, STARTED_MARKER).write_text(json.dumps({"fingerprint": fp}))
     return manifest
@@ -78,8 +90,9 @@ def test_the_plan_tells_done_damaged_stale_partial_and_pending_apart_without_run
     commit(score.output_dir, stage="score", fp="an-older-config", num_parts=4)
     advantage = steps[("advantage", 0)]
     Path(advantage.output_dir).mkdir(parents=True)
-    Path(advantage.output_dir, STARTED_MARKER).write_text(json.dumps({"fingerprint": advantage.fingerprint,
-                                                                       "started_at": time.time()}))
+    Path(advantage.output_dir, STARTED_MARKER).write_text(
+        json.dumps({"fingerprint": advantage.fingerprint, "started_at": time.time()})
+    )
     write_parquet_atomic(pa.table({"x": [1]}), f"{advantage.output_dir}/part-00001.parquet")
 
     plan = {(s.name, s.iteration): s for s in build_plan(cfg)}
@@ -114,10 +127,16 @@ def test_from_stage_forces_that_stage_of_that_iteration_and_everything_after_it(
         commit(step.output_dir, stage=step.name, fp=step.fingerprint, num_parts=1)
     plan = build_plan(cfg, from_stage="advantage", from_iteration=0)
     assert [(s.label, s.status) for s in plan] == [
-        ("ingest", "done"), ("iter 0 generate", "done"), ("iter 0 score", "done"),
-        ("iter 0 advantage", "forced"), ("iter 0 update", "forced"),
-        ("iter 1 generate", "forced"), ("iter 1 score", "forced"), ("iter 1 advantage", "forced"),
-        ("iter 1 update", "forced")]
+        ("ingest", "done"),
+        ("iter 0 generate", "done"),
+        ("iter 0 score", "done"),
+        ("iter 0 advantage", "forced"),
+        ("iter 0 update", "forced"),
+        ("iter 1 generate", "forced"),
+        ("iter 1 score", "forced"),
+        ("iter 1 advantage", "forced"),
+        ("iter 1 update", "forced"),
+    ]
     later = build_plan(cfg, from_stage="score", from_iteration=1)
     assert [s.status for s in later].count("forced") == 3
 
@@ -151,8 +170,9 @@ def redone_update(rows: int) -> type:
 
     class RedoneUpdate(UpdateStage):
         def run(self, ctx):
-            num_bytes, digest = write_parquet_atomic(pa.table({"x": list(range(rows))}),
-                                                     f"{ctx.output_dir}/part-00000.parquet")
+            num_bytes, digest = write_parquet_atomic(
+                pa.table({"x": list(range(rows))}), f"{ctx.output_dir}/part-00000.parquet"
+            )
             return StageOutput(parts=[PartInfo("part-00000.parquet", rows, digest, num_bytes)], trainer_state=[])
 
     return RedoneUpdate
@@ -171,15 +191,25 @@ READERS_OF_POLICY_0 = ["iter 1 generate", "iter 1 update"]
 
 def test_the_content_digest_is_of_the_parts_a_reader_reads_whatever_their_order_and_side_records():
     parts = [PartInfo("part-00000.parquet", 1, "a", 1), PartInfo("part-00001.parquet", 1, "b", 1)]
-    manifest = Manifest(stage="s", table="t", iteration=None, fingerprint="f", parts=parts, schema="s",
-                        started_at=0.0, finished_at=1.0)
-    reordered = Manifest(**{**manifest.__dict__, "parts": parts[::-1],
-                            "extra_parts": {"rejects": [PartInfo("_rejects/part-00000.parquet", 1, "c", 1)]}})
+    manifest = Manifest(
+        stage="s", table="t", iteration=None, fingerprint="f", parts=parts, schema="s", started_at=0.0, finished_at=1.0
+    )
+    reordered = Manifest(
+        **{
+            **manifest.__dict__,
+            "parts": parts[::-1],
+            "extra_parts": {"rejects": [PartInfo("_rejects/part-00000.parquet", 1, "c", 1)]},
+        }
+    )
     assert content_digest(reordered) == content_digest(manifest)
     changed = Manifest(**{**manifest.__dict__, "parts": [parts[0], PartInfo("part-00001.parquet", 1, "x", 1)]})
     assert content_digest(changed) != content_digest(manifest)
-    assert Manifest.from_json(Manifest(**{**manifest.__dict__, "inputs": {"t": "d"}, "trainer_state": parts})
-                              .to_json()).trainer_state == parts
+    assert (
+        Manifest.from_json(
+            Manifest(**{**manifest.__dict__, "inputs": {"t": "d"}, "trainer_state": parts}).to_json()
+        ).trainer_state
+        == parts
+    )
 
 
 def test_a_stage_made_from_a_policy_that_was_replaced_since_is_outdated_and_the_stages_before_it_are_not(tmp_path):
@@ -194,7 +224,8 @@ def test_a_stage_made_from_a_policy_that_was_replaced_since_is_outdated_and_the_
 
 
 def test_a_policy_redone_without_its_old_manifest_into_other_weights_deletes_the_stages_made_from_the_old_ones(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     cfg = config(tmp_path)
     steps = committed_run(cfg)
     Path(steps["iter 0 update"].output_dir, "_MANIFEST.json").unlink()
@@ -204,8 +235,10 @@ def test_a_policy_redone_without_its_old_manifest_into_other_weights_deletes_the
         assert after[label].status == "pending" and not Path(after[label].output_dir).exists()
     assert read_manifest(steps["iter 1 score"].output_dir) is not None  # redone if its rollouts come out different
     redone = read_manifest(steps["iter 0 update"].output_dir)
-    assert redone.inputs == {"advantages": content_digest(steps["iter 0 advantage"].manifest),
-                             "policy": resolve_lineage(cfg).initial_policy_fingerprint}
+    assert redone.inputs == {
+        "advantages": content_digest(steps["iter 0 advantage"].manifest),
+        "policy": resolve_lineage(cfg).initial_policy_fingerprint,
+    }
 
 
 def test_a_policy_redone_into_the_same_weights_keeps_the_stages_made_from_them(tmp_path, monkeypatch):
@@ -217,7 +250,8 @@ def test_a_policy_redone_into_the_same_weights_keeps_the_stages_made_from_them(t
 
 
 def test_readers_that_do_not_record_their_inputs_are_redone_unless_a_repair_left_their_input_unchanged(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     cfg = config(tmp_path)
     steps = committed_run(cfg, record_inputs=False)  # manifests of an older batchrl
     policy = Path(steps["iter 0 update"].output_dir)
@@ -236,8 +270,14 @@ def prompt_file(path: Path, ids: list[str]) -> str:
     return str(path)
 
 
-def finished_run(run_dir: Path, *, ingested: list[str], inherited: list[dict] | None = None, iterations: int = 1,
-                 init_from: str | None = None) -> None:
+def finished_run(
+    run_dir: Path,
+    *,
+    ingested: list[str],
+    inherited: list[dict] | None = None,
+    iterations: int = 1,
+    init_from: str | None = None,
+) -> None:
     """A completed run as the runner leaves it: run.yaml, prompts manifest with sources, last policy."""
     run_dir.mkdir(parents=True)
     (run_dir / "run.yaml").write_text(yaml.safe_dump({"run": {"iterations": iterations}, "data": {}}))
@@ -246,16 +286,29 @@ def finished_run(run_dir: Path, *, ingested: list[str], inherited: list[dict] | 
     write_manifest(str(run_dir / "prompts"), prompts)
     commit(str(run_dir / f"iter_{iterations - 1:04d}" / "policy"), stage="update", fp=f"policy-{run_dir.name}")
     if inherited is not None:
-        (run_dir / "_LINEAGE.json").write_text(json.dumps({
-            "init_from": init_from, "initial_policy": "x", "initial_policy_fingerprint": "y",
-            "seen_files": inherited, "no_new_files": False}))
+        (run_dir / "_LINEAGE.json").write_text(
+            json.dumps(
+                {
+                    "init_from": init_from,
+                    "initial_policy": "x",
+                    "initial_policy_fingerprint": "y",
+                    "seen_files": inherited,
+                    "no_new_files": False,
+                }
+            )
+        )
 
 
 def test_a_nightly_run_warm_starts_from_the_last_policy_and_skips_every_file_its_chain_ingested(tmp_path):
     f1, f2, f3 = (prompt_file(tmp_path / "in" / f"day{d}.parquet", [f"d{d}"]) for d in (1, 2, 3))
     finished_run(tmp_path / "runs" / "n1", ingested=[f1])
-    finished_run(tmp_path / "runs" / "n2", ingested=[f2], inherited=file_identities([f1]), iterations=2,
-                 init_from=str(tmp_path / "runs" / "n1"))
+    finished_run(
+        tmp_path / "runs" / "n2",
+        ingested=[f2],
+        inherited=file_identities([f1]),
+        iterations=2,
+        init_from=str(tmp_path / "runs" / "n1"),
+    )
     cfg = config(tmp_path, id="n3", init_from=str(tmp_path / "runs" / "n2"))
     lineage = resolve_lineage(cfg)
     assert lineage.initial_policy == str(tmp_path / "runs" / "n2" / "iter_0001" / "policy")
@@ -339,9 +392,17 @@ def test_a_run_that_found_no_new_file_passes_its_policy_and_seen_files_on_to_the
     empty.mkdir(parents=True)
     (empty / "run.yaml").write_text(yaml.safe_dump({"run": {"iterations": 1}, "data": {}}))
     policy = str(tmp_path / "runs" / "n1" / "iter_0000" / "policy")
-    (empty / "_LINEAGE.json").write_text(json.dumps({
-        "init_from": str(tmp_path / "runs" / "n1"), "initial_policy": policy, "initial_policy_fingerprint": "fp1",
-        "seen_files": file_identities([f1]), "no_new_files": True}))
+    (empty / "_LINEAGE.json").write_text(
+        json.dumps(
+            {
+                "init_from": str(tmp_path / "runs" / "n1"),
+                "initial_policy": policy,
+                "initial_policy_fingerprint": "fp1",
+                "seen_files": file_identities([f1]),
+                "no_new_files": True,
+            }
+        )
+    )
     cfg = config(tmp_path, id="n3", init_from=str(empty))
     lineage = resolve_lineage(cfg)
     assert (lineage.initial_policy, lineage.initial_policy_fingerprint) == (policy, "fp1")

@@ -10,17 +10,21 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from batchrl.config import ConfigError, validate_dict
-from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 import batchrl.stages  # noqa: F401  (registers the built-in stages)
+from batchrl.config import ConfigError, validate_dict
 from batchrl.pipeline.runner import STARTED_MARKER, build_plan, check_from_stage
+from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 
 
 def config(tmp_path: Path, *, iterations: int = 3, evaluate: dict | None = {}, **fields) -> object:  # noqa: B006
     """A 3-iteration config; evaluate=None: no evaluate section, else its fields (plus ``fields``)."""
     evaluate = None if evaluate is None else {**evaluate, **fields}
-    raw = {"name": "r", "run": {"root": str(tmp_path / "runs"), "iterations": iterations},
-           "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"}, "data": {"train_files": [str(tmp_path / "in")]}}
+    raw = {
+        "name": "r",
+        "run": {"root": str(tmp_path / "runs"), "iterations": iterations},
+        "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct"},
+        "data": {"train_files": [str(tmp_path / "in")]},
+    }
     if evaluate is not None:
         raw["evaluate"] = {"files": [str(tmp_path / "eval")], **evaluate}
     return validate_dict(raw)
@@ -30,9 +34,19 @@ def commit(table_dir: str, *, stage: str, fp: str) -> None:
     from batchrl.storage import write_parquet_atomic
 
     num_bytes, digest = write_parquet_atomic(pa.table({"x": [1]}), f"{table_dir}/part-00000.parquet")
-    write_manifest(table_dir, Manifest(stage=stage, table=stage, iteration=None, fingerprint=fp, schema="s",
-                                       parts=[PartInfo(name="part-00000.parquet", rows=1, sha256=digest,
-                                                       num_bytes=num_bytes)], started_at=0.0, finished_at=1.0))
+    write_manifest(
+        table_dir,
+        Manifest(
+            stage=stage,
+            table=stage,
+            iteration=None,
+            fingerprint=fp,
+            schema="s",
+            parts=[PartInfo(name="part-00000.parquet", rows=1, sha256=digest, num_bytes=num_bytes)],
+            started_at=0.0,
+            finished_at=1.0,
+        ),
+    )
     Path(table_dir, STARTED_MARKER).write_text(json.dumps({"fingerprint": fp}))
 
 

@@ -10,17 +10,39 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 from batchrl.storage import write_parquet_atomic
+from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 from batchrl.tracking.report import write_report
 
 METRICS = [
-    {"iteration": 0, "critic/score/mean": 0.25, "critic/score/min": 0.0, "critic/score/max": 1.0,
-     "val-core/toy/acc": 0.5, "actor/ppo_kl": 0.0, "actor/kl_loss": 0.01, "response_length/mean": 10.0,
-     "response_length/min": 2, "response_length/max": 16, "timing_s/gen": 3.0, "timing_s/step": 5.0},
-    {"iteration": 1, "critic/score/mean": 0.5, "critic/score/min": 0.0, "critic/score/max": 1.0,
-     "val-core/toy/acc": 0.75, "actor/ppo_kl": 0.02, "actor/kl_loss": 0.02, "response_length/mean": 9.0,
-     "response_length/min": 1, "response_length/max": 16, "timing_s/gen": 2.5, "timing_s/step": 4.0},
+    {
+        "iteration": 0,
+        "critic/score/mean": 0.25,
+        "critic/score/min": 0.0,
+        "critic/score/max": 1.0,
+        "val-core/toy/acc": 0.5,
+        "actor/ppo_kl": 0.0,
+        "actor/kl_loss": 0.01,
+        "response_length/mean": 10.0,
+        "response_length/min": 2,
+        "response_length/max": 16,
+        "timing_s/gen": 3.0,
+        "timing_s/step": 5.0,
+    },
+    {
+        "iteration": 1,
+        "critic/score/mean": 0.5,
+        "critic/score/min": 0.0,
+        "critic/score/max": 1.0,
+        "val-core/toy/acc": 0.75,
+        "actor/ppo_kl": 0.02,
+        "actor/kl_loss": 0.02,
+        "response_length/mean": 9.0,
+        "response_length/min": 1,
+        "response_length/max": 16,
+        "timing_s/gen": 2.5,
+        "timing_s/step": 4.0,
+    },
 ]
 GROUPS = [  # prompt_id, prompt_text, responses, scores
     ("p-flat", "What is 2+2?", ["four", "4"], [1.0, 1.0]),  # spread 0: not shown
@@ -33,14 +55,29 @@ def make_run(run_dir: Path) -> None:
     run_dir.mkdir(parents=True)
     (run_dir / "run.yaml").write_text("name: r\n")
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in METRICS))
-    table = pa.table({"prompt_id": [g[0] for g in GROUPS], "prompt_text": [g[1] for g in GROUPS],
-                      "response_texts": [g[2] for g in GROUPS],
-                      "scores": pa.array([g[3] for g in GROUPS], pa.list_(pa.float32()))})
+    table = pa.table(
+        {
+            "prompt_id": [g[0] for g in GROUPS],
+            "prompt_text": [g[1] for g in GROUPS],
+            "response_texts": [g[2] for g in GROUPS],
+            "scores": pa.array([g[3] for g in GROUPS], pa.list_(pa.float32())),
+        }
+    )
     scores_dir = run_dir / "iter_0000" / "scores"
     num_bytes, digest = write_parquet_atomic(table, str(scores_dir / "part-00000.parquet"))
-    write_manifest(str(scores_dir), Manifest(stage="score", table="scores", iteration=0, fingerprint="f",
-                                             parts=[PartInfo("part-00000.parquet", 3, digest, num_bytes)],
-                                             schema="scores", started_at=0.0, finished_at=1.0))
+    write_manifest(
+        str(scores_dir),
+        Manifest(
+            stage="score",
+            table="scores",
+            iteration=0,
+            fingerprint="f",
+            parts=[PartInfo("part-00000.parquet", 3, digest, num_bytes)],
+            schema="scores",
+            started_at=0.0,
+            finished_at=1.0,
+        ),
+    )
     (run_dir / "iter_0001").mkdir()  # iteration 1's scores were not committed (no manifest)
 
 
@@ -60,9 +97,13 @@ def test_report_plots_each_panel_with_data_and_shows_best_and_worst_of_the_wides
 
     text = Path(page).read_text()
     assert text.index("p-wide") < text.index("p-mid") and "p-flat" not in text  # widest spread first
-    wide = text[text.index("p-wide"):text.index("p-mid")]
-    assert wide.index("best (1)") < wide.index("9 &lt;script&gt;x&lt;/script&gt;") < wide.index("worst (-1)") \
-        < wide.index("ten")  # the best is response 1, the worst response 2, escaped
+    wide = text[text.index("p-wide") : text.index("p-mid")]
+    assert (
+        wide.index("best (1)")
+        < wide.index("9 &lt;script&gt;x&lt;/script&gt;")
+        < wide.index("worst (-1)")
+        < wide.index("ten")
+    )  # the best is response 1, the worst response 2, escaped
     assert "<script>" not in text
     assert "iteration 1</h3>\n<p>No scores table yet.</p>" in text
     assert all(f"<img src='{name}'" in text for name in pngs)
@@ -81,10 +122,12 @@ def test_report_writes_where_it_is_told_and_refuses_a_directory_that_is_not_a_ru
 def test_the_accuracy_panel_starts_at_the_initial_policy_and_skips_iterations_not_evaluated():
     from batchrl.tracking.report import PANELS, panel_series
 
-    metrics = [{"iteration": 0, "initial/val-core/arith/reward/mean@1": 0.1, "critic/score/mean": 0.2},
-               {"iteration": 1, "val-core/arith/reward/mean@1": 0.4},
-               {"iteration": 2, "critic/score/mean": 0.3},
-               {"iteration": 3, "val-core/arith/reward/mean@1": 0.6, "actor/reward_kl_penalty": 0.01}]
+    metrics = [
+        {"iteration": 0, "initial/val-core/arith/reward/mean@1": 0.1, "critic/score/mean": 0.2},
+        {"iteration": 1, "val-core/arith/reward/mean@1": 0.4},
+        {"iteration": 2, "critic/score/mean": 0.3},
+        {"iteration": 3, "val-core/arith/reward/mean@1": 0.6, "actor/reward_kl_penalty": 0.01},
+    ]
     accuracy = next(p for p in PANELS if p.stem == "accuracy")
     assert panel_series(accuracy, metrics) == {"val-core/arith/reward/mean@1": [(-1, 0.1), (1, 0.4), (3, 0.6)]}
     kl = next(p for p in PANELS if p.stem == "kl")

@@ -211,8 +211,17 @@ def test_a_well_formed_hash_line_is_exactly_what_strict_extraction_reads(number)
 
 
 def test_the_registry_has_the_documented_rewards_and_every_default_source_names_one():
-    assert {"gsm8k", "gsm8k_flexible", "exact_match", "format_hash", "math", "format_boxed", "format_think",
-            "overlong_penalty", "truncation_penalty"} <= REWARDS.keys()
+    assert {
+        "gsm8k",
+        "gsm8k_flexible",
+        "exact_match",
+        "format_hash",
+        "math",
+        "format_boxed",
+        "format_think",
+        "overlong_penalty",
+        "truncation_penalty",
+    } <= REWARDS.keys()
     assert set(DATA_SOURCE_DEFAULTS.values()) <= REWARDS.keys()
 
 

@@ -121,8 +121,9 @@ def test_format_boxed_wants_exactly_one_closed_non_empty_box(response, score):
     assert format_boxed(response, None, prompt_id="p") == score
 
 
-@pytest.mark.parametrize("data_source", ["math", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
-                                         "lighteval/MATH"])
+@pytest.mark.parametrize(
+    "data_source", ["math", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "lighteval/MATH"]
+)
 def test_math_data_sources_default_to_the_math_reward(data_source):
     assert reward_name_for(data_source) == "math"
     assert REWARDS["math"] is math_boxed

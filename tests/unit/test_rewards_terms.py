@@ -10,12 +10,20 @@ from batchrl.rewards.basic import format_think
 from batchrl.rewards.combine import RewardSet, TermSpec, combine_components
 from batchrl.rewards.shaping import overlong_penalty, truncation_penalty
 
+
 def not_a_number(response, ground_truth, **row):
     return float("nan")
 
 
-ROW = {"prompt_id": "p0", "data_source": "math", "prompt_text": "q", "extra_info": None, "sample_idx": 0,
-       "response_length": 0, "finish_reason": "stop"}
+ROW = {
+    "prompt_id": "p0",
+    "data_source": "math",
+    "prompt_text": "q",
+    "extra_info": None,
+    "sample_idx": 0,
+    "response_length": 0,
+    "finish_reason": "stop",
+}
 
 
 @pytest.mark.parametrize(
@@ -32,8 +40,9 @@ ROW = {"prompt_id": "p0", "data_source": "math", "prompt_text": "q", "extra_info
 )
 def test_overlong_penalty_ramps_linearly_over_the_buffer(response_length, penalty_factor, expected):
     row = ROW | {"response_length": response_length}
-    assert overlong_penalty("text", None, max_length=100, buffer_length=20, penalty_factor=penalty_factor,
-                            **row) == pytest.approx(expected)
+    assert overlong_penalty(
+        "text", None, max_length=100, buffer_length=20, penalty_factor=penalty_factor, **row
+    ) == pytest.approx(expected)
 
 
 def test_overlong_penalty_rejects_a_buffer_longer_than_the_cap():
@@ -41,8 +50,9 @@ def test_overlong_penalty_rejects_a_buffer_longer_than_the_cap():
         overlong_penalty("x", None, max_length=10, buffer_length=20, **ROW)
 
 
-@pytest.mark.parametrize(("finish_reason", "penalty", "expected"),
-                         [("length", -1.0, -1.0), ("stop", -1.0, 0.0), ("length", -0.5, -0.5)])
+@pytest.mark.parametrize(
+    ("finish_reason", "penalty", "expected"), [("length", -1.0, -1.0), ("stop", -1.0, 0.0), ("length", -0.5, -0.5)]
+)
 def test_truncation_penalty_applies_only_to_samples_cut_by_the_length_cap(finish_reason, penalty, expected):
     assert truncation_penalty("x", None, penalty=penalty, **(ROW | {"finish_reason": finish_reason})) == expected
 
@@ -77,8 +87,9 @@ def test_a_required_parameter_left_unset_is_named():
 
 def test_params_may_not_shadow_row_fields():
     with pytest.raises(ValueError, match=r"\['response_length'\] would replace row fields"):
-        check_reward_params(overlong_penalty, {"response_length": 3, "max_length": 9, "buffer_length": 2},
-                            name="overlong_penalty")
+        check_reward_params(
+            overlong_penalty, {"response_length": 3, "max_length": 9, "buffer_length": 2}, name="overlong_penalty"
+        )
 
 
 def test_a_reward_that_needs_a_row_field_by_keyword_resolves():
@@ -87,10 +98,15 @@ def test_a_reward_that_needs_a_row_field_by_keyword_resolves():
 
 
 def test_a_reward_set_passes_params_and_row_fields_and_checks_each_value():
-    rewards = RewardSet(terms=[TermSpec("overlong_penalty", 0.5, params={"max_length": 10, "buffer_length": 4}),
-                               TermSpec(f"{__name__}:not_a_number", 1.0, name="nan"),
-                               ("exact_match", 2.0)],
-                        by_data_source={}, failure_reward=-1.0)
+    rewards = RewardSet(
+        terms=[
+            TermSpec("overlong_penalty", 0.5, params={"max_length": 10, "buffer_length": 4}),
+            TermSpec(f"{__name__}:not_a_number", 1.0, name="nan"),
+            ("exact_match", 2.0),
+        ],
+        by_data_source={},
+        failure_reward=-1.0,
+    )
     values, errors = rewards.evaluate("7", "7", ROW | {"response_length": 8})
     assert values == [pytest.approx(-0.5), None, 1.0]
     assert errors == [None, "nan returned nan (not a finite number)", None]

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 MINIMAL = {"name": "t", "model": {"path": "some/model"}, "data": {"train_files": ["prompts/"]}}
 
-HOOKS = '''
+HOOKS = """
 from pathlib import Path
 
 LOG = Path({log!r})
@@ -31,7 +31,7 @@ NOT_A_FUNCTION = 3
 def record(*, word, times=1):
     with LOG.open("a") as f:
         f.write(word * times + "\\n")
-'''
+"""
 
 
 @pytest.fixture
@@ -52,8 +52,9 @@ def write(tmp_path: Path, raw: dict) -> Path:
 
 def test_loading_a_pipeline_imports_nothing_its_setup_steps_name(tmp_path, hooks):
     module, log = hooks
-    cfg = load_pipeline(write(tmp_path, dict(MINIMAL, setup={"greet": {"call": f"{module}:record",
-                                                                      "arguments": {"word": "hi"}}})))
+    cfg = load_pipeline(
+        write(tmp_path, dict(MINIMAL, setup={"greet": {"call": f"{module}:record", "arguments": {"word": "hi"}}}))
+    )
     assert cfg.setup["greet"].arguments == {"word": "hi"}
     assert not log.exists() and module not in sys.modules
 
@@ -72,31 +73,56 @@ def test_a_misspelt_step_field_is_named_with_a_suggestion(tmp_path):
 
 def test_steps_run_in_the_order_written_with_their_arguments_and_can_be_overridden_with_set(tmp_path, hooks):
     module, log = hooks
-    raw = dict(MINIMAL, setup={"first": {"call": f"{module}:record", "arguments": {"word": "a", "times": 2}},
-                               "second": {"call": f"{module}:record", "arguments": {"word": "b"}}})
+    raw = dict(
+        MINIMAL,
+        setup={
+            "first": {"call": f"{module}:record", "arguments": {"word": "a", "times": 2}},
+            "second": {"call": f"{module}:record", "arguments": {"word": "b"}},
+        },
+    )
     cfg = load_pipeline(write(tmp_path, raw), overrides=["setup.second.arguments.word=c"])
     run_setup_steps(cfg.setup)
     assert log.read_text().splitlines() == ["imported", "aa", "c"]
 
 
-@pytest.mark.parametrize("call, arguments, error", [
-    ("no_such_module_xyz:fn", {}, r"^setup\.bad\.call: cannot import module 'no_such_module_xyz'"),
-    ("{module}:nothing_here", {}, r"^setup\.bad\.call: .*has no attribute 'nothing_here'"),
-    ("{module}:NOT_A_FUNCTION", {}, r"^setup\.bad\.call: .* names a int, not a function"),
-    ("{module}:record", {"wrd": "x"}, r"^setup\.bad\.arguments: .*cannot be called with them.*parameters: word"),
-])
+@pytest.mark.parametrize(
+    "call, arguments, error",
+    [
+        ("no_such_module_xyz:fn", {}, r"^setup\.bad\.call: cannot import module 'no_such_module_xyz'"),
+        ("{module}:nothing_here", {}, r"^setup\.bad\.call: .*has no attribute 'nothing_here'"),
+        ("{module}:NOT_A_FUNCTION", {}, r"^setup\.bad\.call: .* names a int, not a function"),
+        ("{module}:record", {"wrd": "x"}, r"^setup\.bad\.arguments: .*cannot be called with them.*parameters: word"),
+    ],
+)
 def test_a_step_that_cannot_be_called_is_a_config_error_before_any_step_runs(tmp_path, hooks, call, arguments, error):
     module, log = hooks
-    raw = dict(MINIMAL, setup={"good": {"call": f"{module}:record", "arguments": {"word": "ran"}},
-                               "bad": {"call": call.format(module=module), "arguments": arguments}})
+    raw = dict(
+        MINIMAL,
+        setup={
+            "good": {"call": f"{module}:record", "arguments": {"word": "ran"}},
+            "bad": {"call": call.format(module=module), "arguments": arguments},
+        },
+    )
     with pytest.raises(ConfigError, match=error):
         run_setup_steps(load_pipeline(write(tmp_path, raw)).setup)
     assert "ran" not in (log.read_text() if log.exists() else "")
 
 
 def test_the_toy_step_rejects_bad_arguments_naming_them_before_building_anything(tmp_path):
-    raw = dict(MINIMAL, setup={"toy_assets": {"call": "batchrl_toy:setup_toy_assets", "arguments": {
-        "model_dir": str(tmp_path / "m"), "data_dir": str(tmp_path / "d"), "sft_steps": -1, "num_promps": 8}}})
+    raw = dict(
+        MINIMAL,
+        setup={
+            "toy_assets": {
+                "call": "batchrl_toy:setup_toy_assets",
+                "arguments": {
+                    "model_dir": str(tmp_path / "m"),
+                    "data_dir": str(tmp_path / "d"),
+                    "sft_steps": -1,
+                    "num_promps": 8,
+                },
+            }
+        },
+    )
     with pytest.raises(ConfigError) as caught:
         run_setup_steps(load_pipeline(write(tmp_path, raw)).setup)
     lines = str(caught.value).splitlines()
@@ -106,10 +132,17 @@ def test_the_toy_step_rejects_bad_arguments_naming_them_before_building_anything
 
 
 def test_batchrl_run_with_an_unimportable_setup_step_exits_2_with_one_line_and_writes_nothing(tmp_path):
-    raw = dict(MINIMAL, run={"root": str(tmp_path / "runs")},
-               setup={"fetch": {"call": "no_such_module_xyz:fetch", "arguments": {"day": 1}}})
-    result = subprocess.run([sys.executable, "-m", "batchrl.cli", "run", str(write(tmp_path, raw))], cwd=REPO,
-                            capture_output=True, text=True)
+    raw = dict(
+        MINIMAL,
+        run={"root": str(tmp_path / "runs")},
+        setup={"fetch": {"call": "no_such_module_xyz:fetch", "arguments": {"day": 1}}},
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "batchrl.cli", "run", str(write(tmp_path, raw))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and errors[0].startswith("config error: setup.fetch.call: cannot import module")

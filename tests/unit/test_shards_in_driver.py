@@ -8,10 +8,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrl.storage.manifest import Manifest, PartInfo
-from batchrl.storage.schemas import load_schema
 from batchrl.pipeline.shards import ShardWorker, run_sharded, runs_in_driver
 from batchrl.storage import write_parquet_atomic
+from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage.schemas import load_schema
 
 
 class Shouter(ShardWorker):
@@ -29,20 +29,47 @@ class Shouter(ShardWorker):
 
 
 def one_part(tmp_path) -> Manifest:
-    rows = [{"prompt_id": f"p{i}", "data_source": "arith", "messages_json": "[]", "prompt_text": f"q{i}",
-             "prompt_token_ids": [1, 2], "ground_truth": "1", "extra_info_json": None, "source_file": "f",
-             "source_row": i} for i in range(3)]
+    rows = [
+        {
+            "prompt_id": f"p{i}",
+            "data_source": "arith",
+            "messages_json": "[]",
+            "prompt_text": f"q{i}",
+            "prompt_token_ids": [1, 2],
+            "ground_truth": "1",
+            "extra_info_json": None,
+            "source_file": "f",
+            "source_row": i,
+        }
+        for i in range(3)
+    ]
     table = pa.Table.from_pylist(rows, schema=load_schema("prompts"))
     num_bytes, digest = write_parquet_atomic(table, str(tmp_path / "in" / "part-00000.parquet"))
-    return Manifest(stage="s", table="t", iteration=None, fingerprint="f", schema="",
-                    parts=[PartInfo(name="part-00000.parquet", rows=3, sha256=digest, num_bytes=num_bytes)],
-                    started_at=0.0, finished_at=0.0)
+    return Manifest(
+        stage="s",
+        table="t",
+        iteration=None,
+        fingerprint="f",
+        schema="",
+        parts=[PartInfo(name="part-00000.parquet", rows=3, sha256=digest, num_bytes=num_bytes)],
+        started_at=0.0,
+        finished_at=0.0,
+    )
 
 
 def run(tmp_path, out: str, manifest: Manifest, *, embedded_ray: bool):
-    return run_sharded(input_dir=str(tmp_path / "in"), input_manifest=manifest, output_dir=str(tmp_path / out),
-                       worker_cls=Shouter, worker_kwargs={"suffix": "!"}, summarize=lambda t: {"rows": t.num_rows},
-                       concurrency=2, num_cpus=1, progress_bars=False, embedded_ray=embedded_ray)
+    return run_sharded(
+        input_dir=str(tmp_path / "in"),
+        input_manifest=manifest,
+        output_dir=str(tmp_path / out),
+        worker_cls=Shouter,
+        worker_kwargs={"suffix": "!"},
+        summarize=lambda t: {"rows": t.num_rows},
+        concurrency=2,
+        num_cpus=1,
+        progress_bars=False,
+        embedded_ray=embedded_ray,
+    )
 
 
 def test_only_a_lone_cpu_shard_on_an_embedded_ray_runs_in_the_driver():
@@ -58,8 +85,12 @@ def test_the_driver_writes_the_same_part_as_the_actor_pool(tmp_path):
     assert not ray.is_initialized()
     local_parts, local_counts = run(tmp_path, "local", manifest, embedded_ray=True)
     assert not ray.is_initialized()  # no Ray at all was needed
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
+    )
     try:
         pool_parts, pool_counts = run(tmp_path, "pool", manifest, embedded_ray=False)
     finally:

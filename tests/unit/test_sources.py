@@ -39,15 +39,27 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(("path", "hub"), [("Qwen/Qwen2.5-0.5B-Instruct", True), ("nosuchdir/model", True),
-                                           ("./model", False), ("/abs/model", False), ("~/model", False),
-                                           ("a/b/c", False), ("gpt2", False), ("a/../b", False), ("a--b/c", False)])
+@pytest.mark.parametrize(
+    ("path", "hub"),
+    [
+        ("Qwen/Qwen2.5-0.5B-Instruct", True),
+        ("nosuchdir/model", True),
+        ("./model", False),
+        ("/abs/model", False),
+        ("~/model", False),
+        ("a/b/c", False),
+        ("gpt2", False),
+        ("a/../b", False),
+        ("a--b/c", False),
+    ],
+)
 def test_a_hub_id_is_exactly_owner_slash_name(path, hub):
     assert is_hub_id(path) is hub
 
 
-def test_a_path_under_an_existing_local_directory_is_local_and_must_exist(tmp_path, monkeypatch, hub_cache,
-                                                                         no_hub_requests):
+def test_a_path_under_an_existing_local_directory_is_local_and_must_exist(
+    tmp_path, monkeypatch, hub_cache, no_hub_requests
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
     with pytest.raises(ConfigError, match="model.path: 'runs/model' is neither a local checkpoint directory"):
@@ -56,11 +68,15 @@ def test_a_path_under_an_existing_local_directory_is_local_and_must_exist(tmp_pa
     check_checkpoint_source("runs/model", field="model.path", example="Qwen/Qwen2.5-0.5B-Instruct")
 
 
-def test_offline_a_hub_id_missing_from_the_cache_is_a_config_error_without_a_request(hub_cache, monkeypatch,
-                                                                                     no_hub_requests):
+def test_offline_a_hub_id_missing_from_the_cache_is_a_config_error_without_a_request(
+    hub_cache, monkeypatch, no_hub_requests
+):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match="model.path: 'nosuchdir/model' is neither a local directory nor in the "
-                                          "Hugging Face cache.*HF_HUB_OFFLINE=1"):
+    with pytest.raises(
+        ConfigError,
+        match="model.path: 'nosuchdir/model' is neither a local directory nor in the "
+        "Hugging Face cache.*HF_HUB_OFFLINE=1",
+    ):
         check_checkpoint_source("nosuchdir/model", field="model.path", example="Qwen/Qwen2.5-0.5B-Instruct")
 
 
@@ -73,8 +89,10 @@ def test_a_cached_hub_id_is_accepted_without_a_request(hub_cache, monkeypatch, n
 def test_an_unreachable_hub_is_asked_once_and_named_in_a_config_error(hub_cache, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     started = time.monotonic()
-    expected = ("model.path: 'nosuchdir/model' is not a local directory \\(nosuchdir/ does not exist here\\), "
-                "not in the Hugging Face cache.*could not be reached")
+    expected = (
+        "model.path: 'nosuchdir/model' is not a local directory \\(nosuchdir/ does not exist here\\), "
+        "not in the Hugging Face cache.*could not be reached"
+    )
     with pytest.raises(ConfigError, match=expected):
         check_checkpoint_source("nosuchdir/model", field="model.path", example="Qwen/Qwen2.5-0.5B-Instruct")
     assert time.monotonic() - started < 5  # one refused connection, no retries
@@ -83,9 +101,15 @@ def test_an_unreachable_hub_is_asked_once_and_named_in_a_config_error(hub_cache,
 @pytest.fixture
 def no_aws_credentials(tmp_path, monkeypatch):
     """No credentials anywhere botocore looks: environment, shared files, instance metadata."""
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
         empty = tmp_path / name.lower()
@@ -113,8 +137,15 @@ def test_credentials_are_not_asked_for_when_nothing_is_on_s3(no_aws_credentials,
     check_s3_credentials(config(root="s3://bucket/runs"))
 
 
-@pytest.mark.parametrize("command", [["status", "s3://bucket/runs/r"], ["inspect", "s3://bucket/runs/r/prompts"],
-                                     ["unlock", "s3://bucket/runs/r"], ["report", "s3://bucket/runs/r"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status", "s3://bucket/runs/r"],
+        ["inspect", "s3://bucket/runs/r/prompts"],
+        ["unlock", "s3://bucket/runs/r"],
+        ["report", "s3://bucket/runs/r"],
+    ],
+)
 def test_commands_that_read_a_run_on_s3_without_credentials_exit_2_with_one_line(no_aws_credentials, command):
     import subprocess
     import sys

@@ -59,9 +59,7 @@ def test_chat_template_renders_the_qwen_format_with_a_generation_prompt(toy_mode
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
     )
     ids = tokenizer(text)["input_ids"]
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -136,14 +134,23 @@ def test_ensure_toy_assets_builds_once_and_leaves_no_temp_dirs(tmp_path):
 def test_the_setup_step_builds_what_its_arguments_name_and_keeps_a_built_model(tmp_path, toy_model_dir):
     shutil.copytree(toy_model_dir, tmp_path / "m")  # built already: the step keeps it (and the test stays fast)
     stamp = (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns
-    setup_toy_assets(model_dir=str(tmp_path / "m"), data_dir=str(tmp_path / "d"), eval_dir=str(tmp_path / "e"),
-                     format="verl", num_prompts=12, num_shards=3, num_eval_prompts=5, max_operand=20)
+    setup_toy_assets(
+        model_dir=str(tmp_path / "m"),
+        data_dir=str(tmp_path / "d"),
+        eval_dir=str(tmp_path / "e"),
+        format="verl",
+        num_prompts=12,
+        num_shards=3,
+        num_eval_prompts=5,
+        max_operand=20,
+    )
     assert (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns == stamp
     train = ds.dataset(tmp_path / "d", format="parquet").to_table()
     assert train.num_rows == 12 and train.schema.equals(VERL_PROMPT_SCHEMA)
     assert len(list((tmp_path / "d").glob("part-*.parquet"))) == 3
-    assert {row["extra_info"]["split"] for row in ds.dataset(tmp_path / "e", format="parquet").to_table().to_pylist()} \
-        == {"test"}
+    assert {
+        row["extra_info"]["split"] for row in ds.dataset(tmp_path / "e", format="parquet").to_table().to_pylist()
+    } == {"test"}
 
 
 def test_ensure_toy_assets_refuses_to_overwrite_an_incomplete_model_dir(tmp_path):
@@ -168,8 +175,9 @@ def _warm_toy_model_digest(**env: str) -> str:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, **env})
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILD], capture_output=True, text=True, timeout=900, env={**os.environ, **env}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()[-1]
 

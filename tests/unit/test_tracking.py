@@ -25,8 +25,9 @@ def iteration(step: int, score: float) -> dict:
 
 
 def open_trackers(run_dir: Path, backend: str, **options) -> list:
-    return make_trackers(TrackingConfig(backends=["jsonl", backend], **options), run_dir=str(run_dir), run_id="run-1",
-                         config_dict=CONFIG)
+    return make_trackers(
+        TrackingConfig(backends=["jsonl", backend], **options), run_dir=str(run_dir), run_id="run-1", config_dict=CONFIG
+    )
 
 
 def log_and_close(trackers: list, rows: list[dict]) -> None:
@@ -96,18 +97,19 @@ def wandb_history(run_file: Path) -> list[dict]:
         if block - offset % block < 7:  # a block tail too short for a header is padding
             offset += block - offset % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[offset : offset + 7])
         if kind == 0:
             break
-        pending += data[offset + 7:offset + 7 + length]
+        pending += data[offset + 7 : offset + 7 + length]
         offset += 7 + length
         if kind in (1, 4):  # FULL or LAST
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item}
+                items = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
                 records.append(items)
     return records
 
@@ -139,7 +141,8 @@ def test_selecting_a_tracker_whose_package_is_missing_is_a_config_error_naming_t
 
 
 def test_tensorboard_left_at_the_default_is_skipped_when_missing_but_named_explicitly_it_is_an_error(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     assert check_tracking(TrackingConfig(), run_dir=str(tmp_path)) == []
     with pytest.raises(ConfigError, match="tensorboard package is not installed"):
@@ -160,8 +163,10 @@ def test_listing_a_tracker_twice_is_rejected():
 
 
 def test_summary_table_shows_the_columns_that_have_values_one_line_per_iteration():
-    rows = [{"iteration": 0, "critic/score/mean": 0.25, "actor/pg_loss": -0.0001234, "timing_s/step": 12.5},
-            {"iteration": 1, "critic/score/mean": 0.5, "val-core/gsm8k/acc": 0.75, "timing_s/step": 11.0}]
+    rows = [
+        {"iteration": 0, "critic/score/mean": 0.25, "actor/pg_loss": -0.0001234, "timing_s/step": 12.5},
+        {"iteration": 1, "critic/score/mean": 0.5, "val-core/gsm8k/acc": 0.75, "timing_s/step": 11.0},
+    ]
     assert format_summary(rows).splitlines() == [
         "iter  score  accuracy    pg_loss  step_s",
         "   0   0.25         -  -1.23e-04    12.5",

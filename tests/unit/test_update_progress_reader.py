@@ -33,8 +33,7 @@ def test_reader_turns_a_growing_file_with_a_torn_line_into_step_counts(tmp_path)
     reader = ProgressReader(path)
     assert reader.poll() == []  # rank 0 has not started writing yet
 
-    steps = [_line({"phase": "train", "done": k, "total": 3, "pg_loss": -0.1 * k, "grad_norm": 1.0})
-             for k in range(4)]
+    steps = [_line({"phase": "train", "done": k, "total": 3, "pg_loss": -0.1 * k, "grad_norm": 1.0}) for k in range(4)]
     with open(path, "ab") as f:
         f.write(_line({"phase": "logprobs"}) + steps[0] + steps[1] + steps[2][:7])  # caught mid-write
     first = reader.poll()
@@ -103,8 +102,9 @@ def test_the_launcher_reads_progress_on_every_poll_and_still_honours_its_timeout
 
 def test_the_stage_draws_steps_with_the_latest_losses_on_a_terminal_only():
     records = [{"phase": "logprobs"}, {"phase": "train", "done": 0, "total": 4}]
-    records += [{"phase": "train", "done": k, "total": 4, "pg_loss": 0.01 * k, "grad_norm": 0.5 + k}
-                for k in range(1, 5)]
+    records += [
+        {"phase": "train", "done": k, "total": 4, "pg_loss": 0.01 * k, "grad_norm": 0.5 + k} for k in range(1, 5)
+    ]
     records += [{"phase": "save"}, {"phase": "finished"}]
     terminal = io.StringIO()
     with progress(None, "update: loading", console=Console(file=terminal, force_terminal=True, width=120)) as bar:
