@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # `import transformers` beside torch's CPU build; text models need none of them.
 DROP_VISION := $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 
-.PHONY: install install-demo demo test test-fast bench clean
+.PHONY: install install-demo demo lint format test test-fast bench clean
 
 install: $(VENV)/.installed  # everything: the demo's packages plus the test, tracking and report extras
 
@@ -28,8 +28,16 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 demo: install-demo
 	$(VENV)/bin/batchrl run pipelines/quickstart.yaml
 
-test: install
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS) tests
+lint: install  # the linter and the formatter's check (rules in pyproject.toml); `make format` applies both
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint  # the slowest tests are listed at the end, to keep an eye on CI time
+	$(PY) -m pytest -q -ra --durations=15 $(PYTEST_ARGS) tests
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow" tests
