@@ -16,36 +16,25 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: tests/harness.py
+from harness import DEFAULT, cli_ok, write_pipeline  # noqa: E402
 
 
 def pipeline(tmp: Path, *, iterations: int) -> Path:
+    """The tests' tiny pipeline on 8 toy prompts, with a reward that needs no test code."""
     from batchrl_toy import ensure_toy_assets
 
     ensure_toy_assets(tmp / "toy" / "model", tmp / "toy" / "prompts", num_prompts=8, num_shards=2, seed=0)
-    raw = {
-        "name": "bench-resume",
-        "run": {"root": str(tmp / "runs"), "seed": 1, "iterations": iterations},
-        "model": {"path": str(tmp / "toy" / "model"), "dtype": "float32"},
-        "data": {"train_files": [str(tmp / "toy" / "prompts")], "shard_size": 4, "max_prompt_tokens": 96},
-        "generate": {"engine": "hf", "num_samples_per_prompt": 2, "max_new_tokens": 8},
-        "score": {"rewards": [{"reward": "format_hash", "weight": 1.0}]},
-        "update": {"num_processes": 1, "backend": "gloo", "lr": 1e-3, "micro_batch_size": 8},
-        "ray": {"num_cpus": 2},
-    }
-    path = tmp / "bench_resume.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return write_pipeline(tmp, {"name": "bench-resume", "run": {"seed": 1, "iterations": iterations},
+                                "data.max_prompts": DEFAULT,
+                                "score.rewards": [{"reward": "format_hash", "weight": 1.0}]},
+                          model=str(tmp / "toy" / "model"), prompts=str(tmp / "toy" / "prompts"))
 
 
-def batchrl(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+def timed(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`batchrl ARGS...` (exit 0 or the bench fails showing its output) and its wall seconds."""
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "batchrl.cli", *args], cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.stderr.write(result.stderr[-3000:])
-        raise SystemExit(f"batchrl {' '.join(args)} failed with exit {result.returncode}")
+    result = cli_ok(*args, timeout=None)
     return result, time.perf_counter() - started
 
 
@@ -62,9 +51,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_resume_") as tmp:
         path = pipeline(Path(tmp), iterations=args.iterations)
-        first, t_first = batchrl("run", str(path))
-        plan, _ = batchrl("plan", str(path))
-        again, t_again = batchrl("run", str(path))
+        first, t_first = timed("run", str(path))
+        plan, _ = timed("plan", str(path))
+        again, t_again = timed("run", str(path))
     total = 1 + 4 * args.iterations
     complete = plan.stdout.count("skip (complete)")
     print(f"resume, {total} stages ({args.iterations} iterations): first run {t_first:.1f} s ran "

@@ -50,7 +50,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: tests/harness.py
+from harness import REPO, cli_ok  # noqa: E402
 
 
 # TRL's GRPOTrainer has no dual-clip PPO; batchrl applies it by default (as verl does), so it is switched off
@@ -78,10 +79,9 @@ def run_batchrl(pipeline: str, root: str, iterations: int) -> tuple[float, list[
     by `evaluate` below, in one engine pool with the same sampling seeds, and batchrl's wall is training only.
     """
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "batchrl.cli", "run", str(REPO / pipeline), "--run-id", "batchrl",
-                    "--set", f"run.root={root}", "--set", f"run.iterations={iterations}", "--set", "evaluate=null",
-                    *(arg for o in SAME_ARITHMETIC for arg in ("--set", o))],
-                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    cli_ok("run", REPO / pipeline, "--run-id", "batchrl", sets=[
+        f"run.root={root}", f"run.iterations={iterations}", "evaluate=null", *SAME_ARITHMETIC],
+        stdout=subprocess.DEVNULL, stderr=None, timeout=None)
     wall = time.perf_counter() - started
     run_dir = Path(root) / "batchrl"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

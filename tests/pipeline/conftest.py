@@ -1,4 +1,5 @@
-"""A real S3 endpoint for pipeline tests: moto's server on 127.0.0.1.
+"""Fixtures of the pipeline tests: `pipeline` (the tiny toy pipeline with overrides, in the test's tmp_path; see
+tests/harness.py for running and reading it) and a real S3 endpoint, moto's server on 127.0.0.1.
 
 CI (.ci/run) starts one and exports BATCHRL_TEST_S3_ENDPOINT; otherwise the fixture starts its own, in a
 separate process: importing moto.server (Flask) into the test process breaks vLLM's in-process engine,
@@ -7,6 +8,7 @@ whose kernel registration touches every module's attributes, including Flask's c
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -17,12 +19,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+from harness import free_port, write_pipeline
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def pipeline(tmp_path, toy_model_dir, toy_prompts_dir):
+    """pipeline(overrides) -> the path of the tiny toy pipeline with ``overrides`` (see harness.merged), written in
+    tmp_path; its runs go under tmp_path/runs. Another ``file_name=`` writes a second pipeline beside it."""
+    return functools.partial(write_pipeline, tmp_path, model=toy_model_dir, prompts=toy_prompts_dir)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +35,7 @@ def s3_endpoint():
     if endpoint:
         yield endpoint
         return
-    port = _free_port()
+    port = free_port()
     moto_server = Path(sys.executable).with_name("moto_server")
     server = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -68,6 +72,17 @@ def s3_bucket(s3_env):
     name = f"batchrl-test-{uuid.uuid4().hex[:8]}"
     boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def s3_prompts(s3_bucket, toy_prompts_dir) -> str:
+    """The toy prompts copied to s3://<s3_bucket>/prompts/: that URI, for data.train_files."""
+    from batchrl.storage import resolve
+
+    fs, _ = resolve(f"s3://{s3_bucket}")
+    for local in sorted(Path(toy_prompts_dir).glob("*.parquet")):
+        fs.put_file(str(local), f"{s3_bucket}/prompts/{local.name}")
+    return f"s3://{s3_bucket}/prompts/"
 
 
 _FORWARDER = """
@@ -107,7 +122,7 @@ class RestartableS3:
 
     def __init__(self, backend: str):
         self.backend = backend
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 

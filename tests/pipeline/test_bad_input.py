@@ -4,35 +4,18 @@ mistake exits 2, unusable input data (unreadable file, missing column, no rows) 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import boto3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
+from harness import DEFAULT, cli
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_pipeline(tmp_path: Path, raw: dict, *, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
-    """`batchrl run` on ``raw``; ``env`` changes the environment (a None value removes the variable)."""
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    return subprocess.run([sys.executable, "-m", "batchrl.cli", "run", str(path)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=environment)
-
-
-def base(tmp_path: Path, toy_model_dir: str, train_files: list[str]) -> dict:
-    return {"name": "bad", "run": {"root": str(tmp_path / "runs")}, "model": {"path": toy_model_dir},
-            "data": {"train_files": train_files}, "generate": {"engine": "hf", "max_new_tokens": 4},
-            "ray": {"num_cpus": 1}}
+# The tiny pipeline with the default rewards (one per data_source), as a user's first pipeline has them.
+BAD = {"name": "bad", "score": DEFAULT}
 
 
 def assert_config_error(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -50,64 +33,62 @@ def assert_exit(result: subprocess.CompletedProcess, code: int, *needles: str) -
         assert needle in result.stderr, result.stderr
 
 
-def test_missing_prompt_files_exit_2_naming_the_field_and_write_nothing(tmp_path, toy_model_dir):
-    result = run_pipeline(tmp_path, base(tmp_path, toy_model_dir, [str(tmp_path / "nope")]))
+def test_missing_prompt_files_exit_2_naming_the_field_and_write_nothing(tmp_path, pipeline):
+    result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "nope")]}))
     assert_config_error(result, "data.train_files", "does not exist")
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_file_without_a_prompt_column_exits_3_naming_the_file_and_column_and_writes_nothing(tmp_path, toy_model_dir):
+def test_a_file_without_a_prompt_column_exits_3_naming_the_file_and_column_and_writes_nothing(tmp_path, pipeline):
     pq.write_table(pa.table({"question": ["1+1?"], "ground_truth": ["2"]}), tmp_path / "q.parquet")
-    result = run_pipeline(tmp_path, base(tmp_path, toy_model_dir, [str(tmp_path / "q.parquet")]))
+    result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "q.parquet")]}))
     assert_data_error(result, f"{tmp_path / 'q.parquet'} has no 'prompt' column")
     assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("content", [b"", b"prompt,ground_truth,data_source\n1+1?,2,arith\n"],
                          ids=["zero_bytes", "csv_named_parquet"])
-def test_an_unreadable_input_file_exits_3_naming_it_and_writes_nothing(tmp_path, toy_model_dir, content):
+def test_an_unreadable_input_file_exits_3_naming_it_and_writes_nothing(tmp_path, pipeline, content):
     (tmp_path / "bad.parquet").write_bytes(content)
-    result = run_pipeline(tmp_path, base(tmp_path, toy_model_dir, [str(tmp_path / "bad.parquet")]))
+    result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "bad.parquet")]}))
     assert_data_error(result, f"{tmp_path / 'bad.parquet'} is not a readable Parquet file")
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_an_input_file_without_rows_exits_3_naming_it_and_writes_nothing(tmp_path, toy_model_dir):
+def test_an_input_file_without_rows_exits_3_naming_it_and_writes_nothing(tmp_path, pipeline):
     empty = pa.table({"prompt": pa.array([], pa.string()), "ground_truth": pa.array([], pa.string()),
                       "data_source": pa.array([], pa.string())})
     pq.write_table(empty, tmp_path / "empty.parquet")
-    result = run_pipeline(tmp_path, base(tmp_path, toy_model_dir, [str(tmp_path / "empty.parquet")]))
+    result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "empty.parquet")]}))
     assert_data_error(result, f"every input file is empty (0 rows): {tmp_path / 'empty.parquet'}")
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_missing_data_source_column_exits_3_naming_file_and_column_before_ingesting(tmp_path, toy_model_dir):
+def test_a_missing_data_source_column_exits_3_naming_file_and_column_before_ingesting(tmp_path, pipeline):
     pq.write_table(pa.table({"prompt": ["What is 1 + 1?"], "ground_truth": ["2"]}), tmp_path / "nods.parquet")
-    result = run_pipeline(tmp_path, base(tmp_path, toy_model_dir, [str(tmp_path / "nods.parquet")]))
+    result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "nods.parquet")]}))
     assert_data_error(result, f"{tmp_path / 'nods.parquet'} has no 'data_source' column", "score.rewards")
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_relative_model_path_that_does_not_exist_exits_2_without_retrying_the_hub(tmp_path, toy_prompts_dir):
+def test_a_relative_model_path_that_does_not_exist_exits_2_without_retrying_the_hub(tmp_path, pipeline):
     with socket.socket() as s:  # a hub endpoint that refuses at once: no test depends on the internet
         s.bind(("127.0.0.1", 0))
         hub = f"http://127.0.0.1:{s.getsockname()[1]}"
     started = time.monotonic()
-    result = run_pipeline(tmp_path, base(tmp_path, "nosuchdir/model", [toy_prompts_dir]),
-                          env={"HF_ENDPOINT": hub, "HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None,
-                               "HF_HOME": str(tmp_path / "hf")})
+    result = cli("run", pipeline(BAD | {"model.path": "nosuchdir/model"}),
+                 env={"HF_ENDPOINT": hub, "HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None,
+                      "HF_HOME": str(tmp_path / "hf")})
     assert_config_error(result, "model.path: 'nosuchdir/model' is not a local directory")
     assert time.monotonic() - started < 60  # it used to retry the hub for 65 s
     assert not (tmp_path / "runs").exists()
 
 
-def test_an_s3_run_root_without_credentials_exits_2_naming_run_root_and_writes_nothing(tmp_path, toy_model_dir,
-                                                                                     toy_prompts_dir, s3_bucket):
+def test_an_s3_run_root_without_credentials_exits_2_naming_run_root_and_writes_nothing(tmp_path, pipeline, s3_bucket):
     empty = tmp_path / "empty_aws_file"
     empty.write_text("")
-    raw = base(tmp_path, toy_model_dir, [toy_prompts_dir]) | {"run": {"root": f"s3://{s3_bucket}/runs"}}
-    result = run_pipeline(tmp_path, raw, env={
+    result = cli("run", pipeline(BAD | {"run.root": f"s3://{s3_bucket}/runs"}), env={
         "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None,
         "AWS_SHARED_CREDENTIALS_FILE": str(empty), "AWS_CONFIG_FILE": str(empty), "AWS_EC2_METADATA_DISABLED": "true"})
     assert_config_error(result, f"run.root: s3://{s3_bucket}/runs is on S3, but no AWS credentials were found",
@@ -117,23 +98,22 @@ def test_an_s3_run_root_without_credentials_exits_2_naming_run_root_and_writes_n
     assert listed.get("KeyCount", 0) == 0
 
 
-def test_a_missing_model_directory_exits_2(tmp_path, toy_prompts_dir):
-    result = run_pipeline(tmp_path, base(tmp_path, "./no/such/model/dir", [toy_prompts_dir]))
+def test_a_missing_model_directory_exits_2(tmp_path, pipeline):
+    result = cli("run", pipeline(BAD | {"model.path": "./no/such/model/dir"}))
     assert_config_error(result, "model.path")
     assert not (tmp_path / "runs").exists()
 
 
-def test_an_unknown_reward_exits_2_before_anything_is_written(tmp_path, toy_model_dir, toy_prompts_dir):
-    raw = base(tmp_path, toy_model_dir, [toy_prompts_dir]) | {"score": {"rewards": [{"reward": "gsm9k"}]}}
-    result = run_pipeline(tmp_path, raw)
+def test_an_unknown_reward_exits_2_before_anything_is_written(tmp_path, pipeline):
+    result = cli("run", pipeline(BAD | {"score": {"rewards": [{"reward": "gsm9k"}]}}))
     assert_config_error(result, "gsm9k")
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_data_source_without_a_reward_stops_the_run_before_generation(tmp_path, toy_model_dir):
+def test_a_data_source_without_a_reward_stops_the_run_before_generation(tmp_path, pipeline):
     pq.write_table(pa.table({"prompt": ["What is 1 + 1?"], "ground_truth": ["2"], "data_source": ["mystery"]}),
                    tmp_path / "m.parquet")
-    result = run_pipeline(tmp_path, base(tmp_path, toy_model_dir, [str(tmp_path / "m.parquet")]))
+    result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "m.parquet")]}))
     assert_config_error(result, "mystery", "reward_by_data_source")
     run_dir = tmp_path / "runs" / "bad"
     assert json.loads((run_dir / "prompts" / "_MANIFEST.json").read_text())["counts"]["prompts"] == 1

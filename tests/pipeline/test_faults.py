@@ -16,7 +16,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,14 +23,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
+from harness import cli, cli_ok, read_json, read_metrics, read_table, start_cli, write_pipeline
 
 pytestmark = pytest.mark.slow
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, SAMPLES, ITERATIONS = 8, 2, 2
+# The tiny pipeline (8 prompts, 2 samples of 8 tokens, a digit-count reward that varies within groups, so
+# advantages are non-zero and the update moves the policy), for 2 iterations.
+FAULTS = {"name": "faults", "run.iterations": ITERATIONS, "data.max_prompts": NUM_PROMPTS,
+          "generate": {"num_samples_per_prompt": SAMPLES, "temperature": 1.0}}
 KILL_MARKER_ENV = "BATCHRL_TEST_KILL_MARKER"
 
 
@@ -52,55 +54,11 @@ def _ray_worker_pid() -> int:
     raise AssertionError("not running in a Ray worker")
 
 
-def pipeline_file(tmp_path: Path, *, toy_model_dir: str, train_files: list[str], root: str,
-                  iterations: int = ITERATIONS) -> Path:
-    raw = {
-        "name": "faults",
-        "run": {"root": root, "seed": 5, "iterations": iterations},
-        "model": {"path": toy_model_dir, "dtype": "float32"},
-        "data": {"train_files": train_files, "shard_size": 4, "max_prompt_tokens": 96, "max_prompts": NUM_PROMPTS},
-        "generate": {"engine": "hf", "num_samples_per_prompt": SAMPLES, "max_new_tokens": 8, "temperature": 1.0},
-        # varies within groups, so advantages are non-zero and the update moves the policy
-        "score": {"rewards": [{"reward": "custom_rewards:digit_count", "weight": 1.0}]},
-        "update": {"num_processes": 1, "backend": "gloo", "lr": 1e-3, "micro_batch_size": 8},
-        "ray": {"num_cpus": 2},
-    }
-    path = tmp_path / "faults.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def environment(extra: dict | None = None) -> dict:
-    paths = [str(REPO / "tests" / "stages"), str(REPO / "tests" / "pipeline"), os.environ.get("PYTHONPATH")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), **(extra or {})}
-
-
-def batchrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchrl.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          env=environment(env), timeout=600)
-
-
-def start_batchrl(*args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
-    """A run in its own process group, so that what a SIGKILLed driver leaves behind can be cleaned up."""
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "batchrl.cli", *args], cwd=REPO, stdout=out, stderr=out,
-                                env=environment(env), start_new_session=True)
-
-
 def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def committed_table(table_dir: Path) -> pa.Table:
-    manifest = read_json(table_dir / "_MANIFEST.json")
-    return pa.concat_tables([pq.read_table(table_dir / p["name"]) for p in manifest["parts"]])
 
 
 def table_dirs() -> list[str]:
@@ -111,11 +69,10 @@ def assert_same_rows(expected_run: Path, run: Path) -> None:
     """Every table has the same rows (ids and all values) as the uninterrupted run, each key once."""
     for rel in table_dirs():
         keys = ["prompt_id", "sample_idx"] if rel.endswith("advantages") else ["prompt_id"]
-        expected, got = committed_table(expected_run / rel), committed_table(run / rel)
+        expected, got = read_table(expected_run / rel, sort_by=keys), read_table(run / rel, sort_by=keys)
         ids = list(zip(*(got.column(k).to_pylist() for k in keys)))
         assert len(ids) == len(set(ids)) == expected.num_rows, f"{rel}: lost or duplicated rows"
-        order = [(k, "ascending") for k in keys]
-        assert got.sort_by(order).to_pylist() == expected.sort_by(order).to_pylist(), f"{rel}: rows differ"
+        assert got.to_pylist() == expected.to_pylist(), f"{rel}: rows differ"
     for i in range(ITERATIONS):
         weights = f"iter_{i:04d}/policy/model.safetensors"
         assert sha256(run / weights) == sha256(expected_run / weights), f"{weights} differs"
@@ -129,10 +86,8 @@ def sha256(path: Path) -> str:
 def reference(tmp_path_factory, toy_model_dir, toy_prompts_dir) -> tuple[Path, Path]:
     """(pipeline file, run dir) of an uninterrupted run; tests copy it rather than change it."""
     tmp_path = tmp_path_factory.mktemp("faults")
-    path = pipeline_file(tmp_path, toy_model_dir=toy_model_dir, train_files=[toy_prompts_dir],
-                         root=str(tmp_path / "runs"))
-    result = batchrl("run", str(path), "--run-id", "reference")
-    assert result.returncode == 0, result.stderr[-4000:]
+    path = write_pipeline(tmp_path, FAULTS, model=toy_model_dir, prompts=toy_prompts_dir)
+    cli_ok("run", path, "--run-id", "reference")
     return path, tmp_path / "runs" / "reference"
 
 
@@ -173,7 +128,7 @@ def test_a_driver_killed_at_random_moments_resumes_to_exactly_the_rows_of_an_uni
     moments = [("random", rng.uniform(4.0, 14.0)), ("partial", None), ("random", rng.uniform(5.0, 20.0))]
     try:
         for kind, delay in moments:
-            process = start_batchrl("run", str(path), "--run-id", "killed", log=tmp_path / "killed.log")
+            process = start_cli("run", path, "--run-id", "killed", log=tmp_path / "killed.log")
             groups.append(process.pid)
             if kind == "random":
                 what = kill_when(process, lambda: None, timeout=delay)
@@ -182,7 +137,7 @@ def test_a_driver_killed_at_random_moments_resumes_to_exactly_the_rows_of_an_uni
             if what is None:
                 history.append(f"{kind}: the run finished first")
                 break
-            status = batchrl("status", str(run)) if (run / "run.yaml").exists() else None
+            status = cli("status", run) if (run / "run.yaml").exists() else None
             history.append(f"SIGKILL ({kind}) at {what}\n{status.stdout if status else 'not started'}")
             if status is not None:
                 # a stale lock, reported as such (or none, if the kill came after the run released it)
@@ -190,7 +145,7 @@ def test_a_driver_killed_at_random_moments_resumes_to_exactly_the_rows_of_an_uni
                     "lock: free" in status.stdout, status.stdout
             if kind == "partial":  # some or all shards written, no manifest yet
                 assert re.search(r"partial  resume \(partial\)\s+[12] of 2 shards written", status.stdout), status.stdout
-        final = batchrl("run", str(path), "--run-id", "killed")
+        final = cli("run", path, "--run-id", "killed")
         assert final.returncode == 0, final.stderr[-4000:] + "\n".join(history)
     finally:
         for pgid in groups:
@@ -198,8 +153,7 @@ def test_a_driver_killed_at_random_moments_resumes_to_exactly_the_rows_of_an_uni
     logger.info("kill schedule and the state each kill left:\n%s", "\n".join(history))
     assert sum("SIGKILL" in h for h in history) >= 2, "\n".join(history)
     assert_same_rows(expected_run, run)
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in metrics] == list(range(ITERATIONS))
+    assert [m["iteration"] for m in read_metrics(run)] == list(range(ITERATIONS))
 
 
 def test_a_truncated_part_is_redone_alone_and_stray_files_are_removed_or_ignored(reference):
@@ -213,10 +167,9 @@ def test_a_truncated_part_is_redone_alone_and_stray_files_are_removed_or_ignored
     (rollouts / ".tmp-0123-part-00000.parquet").write_bytes(b"a killed writer's leftover")
     (scores / "part-00042.parquet").write_bytes(b"a stray file beside a complete table")
 
-    status = batchrl("status", str(run))
+    status = cli("status", run)
     assert "iter 0 generate        damaged  repair (redo damaged)" in status.stdout, status.stdout
-    result = batchrl("run", str(path), "--run-id", "damaged")
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = cli_ok("run", path, "--run-id", "damaged")
     assert "redoing damaged part-00001.parquet" in result.stderr
     assert "iter 0 score: complete" in result.stderr  # the redone part is identical: nothing after it is redone
     assert sorted(p.name for p in rollouts.iterdir()) == ["_MANIFEST.json", "_STARTED.json", "part-00000.parquet",
@@ -231,17 +184,16 @@ def test_a_scoring_worker_killed_mid_stage_is_restarted_by_ray_and_the_stage_com
     run = copy_run(expected_run, "actor-killed")
     marker = tmp_path / "killed-once"
     rewards = "score.rewards=[{reward: 'test_faults:digit_count_killing_its_worker_once', weight: 1.0}]"
-    result = batchrl("run", str(path), "--run-id", "actor-killed", "--set", rewards, "--set", "run.iterations=1",
-                     env={KILL_MARKER_ENV: str(marker)})
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = cli_ok("run", path, "--run-id", "actor-killed", sets=[rewards, "run.iterations=1"],
+                    env={KILL_MARKER_ENV: str(marker)})
     assert marker.exists(), "the reward never killed its worker"
     assert "iter 0 generate: complete" in result.stderr
-    scores = committed_table(run / "iter_0000" / "scores").to_pylist()
+    scores = read_table(run / "iter_0000" / "scores").to_pylist()
     assert len(scores) == NUM_PROMPTS
     for row in scores:
         assert row["scores"] == [float(sum(c.isdigit() for c in text)) for text in row["response_texts"]]
         assert all(error is None for error in row["score_errors"])
-    assert committed_table(run / "iter_0000" / "advantages").num_rows == NUM_PROMPTS * SAMPLES
+    assert read_table(run / "iter_0000" / "advantages").num_rows == NUM_PROMPTS * SAMPLES
 
 
 def wait_for(path_exists, *, timeout: float) -> None:
@@ -253,20 +205,15 @@ def wait_for(path_exists, *, timeout: float) -> None:
 
 
 def test_object_storage_going_away_mid_stage_fails_cleanly_and_a_resume_completes_untorn(
-        tmp_path, toy_model_dir, toy_prompts_dir, restartable_s3, s3_bucket):
+        tmp_path, pipeline, restartable_s3, s3_bucket, s3_prompts):
     s3, env = restartable_s3
-    from batchrl.storage import resolve
-
-    fs, _ = resolve(f"s3://{s3_bucket}")
-    for local in sorted(Path(toy_prompts_dir).glob("*.parquet")):
-        fs.put_file(str(local), f"{s3_bucket}/prompts/{local.name}")
-    path = pipeline_file(tmp_path, toy_model_dir=toy_model_dir, train_files=[f"s3://{s3_bucket}/prompts/"],
-                         root=f"s3://{s3_bucket}/runs", iterations=1)
+    path = pipeline(FAULTS | {"run.iterations": 1, "run.root": f"s3://{s3_bucket}/runs",
+                              "data.train_files": [s3_prompts]})
     run = f"{s3_bucket}/runs/faults"
     backend = {**env, "AWS_ENDPOINT_URL": s3.backend}  # the test looks at the bucket behind the outage
 
     # A long outage (2 attempts per request): the run stops with exit 4 and a one-line reason.
-    process = start_batchrl("run", str(path), log=tmp_path / "outage.log", env={**env, "BATCHRL_S3_MAX_ATTEMPTS": "2"})
+    process = start_cli("run", path, log=tmp_path / "outage.log", env={**env, "BATCHRL_S3_MAX_ATTEMPTS": "2"})
     try:
         backend_fs = _s3fs(backend)
         wait_for(lambda: backend_fs.exists(f"{run}/iter_0000/rollouts/_STARTED.json"), timeout=300)
@@ -282,7 +229,7 @@ def test_object_storage_going_away_mid_stage_fails_cleanly_and_a_resume_complete
     s3.start()
     blip = threading.Thread(target=_outage_when, args=(s3, backend_fs, f"{run}/iter_0000/scores/_STARTED.json", 2.0))
     blip.start()
-    resumed = batchrl("run", str(path), env=env)
+    resumed = cli("run", path, env=env)
     blip.join()
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     for table in ("prompts", "iter_0000/rollouts", "iter_0000/scores", "iter_0000/advantages", "iter_0000/policy"):
@@ -325,8 +272,7 @@ def test_a_policy_redone_into_the_same_weights_keeps_every_stage_made_from_it(re
     run = copy_run(expected_run, "policy-redone")
     before = started_at(run)
     (run / "iter_0000" / "policy" / "_MANIFEST.json").unlink()
-    result = batchrl("run", str(path), "--run-id", "policy-redone")
-    assert result.returncode == 0, result.stderr[-4000:]
+    cli_ok("run", path, "--run-id", "policy-redone")
     after = started_at(run)
     assert [rel for rel in STAGE_DIRS if after[rel] != before[rel]] == ["iter_0000/policy"]
     assert_same_rows(expected_run, run)  # a deterministic update reproduces its weights: iteration 1 is still theirs
@@ -339,8 +285,7 @@ def test_a_foreign_parquet_file_under_a_part_name_of_an_unfinished_stage_is_redo
     scores = run / "iter_0001" / "scores"
     (scores / "_MANIFEST.json").unlink()  # the stage caught mid-way: its _STARTED.json and parts are there
     pq.write_table(pa.table({"question": ["What is 2 + 2?"], "answer": [4.0]}), scores / "part-00000.parquet")
-    result = batchrl("run", str(path), "--run-id", "poisoned")
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = cli_ok("run", path, "--run-id", "poisoned")
     assert "part-00000.parquet is not this stage's output" in result.stderr, result.stderr[-4000:]
     assert "Traceback" not in result.stderr
     assert_same_rows(expected_run, run)
@@ -352,15 +297,14 @@ def test_an_update_whose_optimizer_state_is_gone_stops_with_exit_3_and_the_redo_
     run = copy_run(expected_run, "state-gone")
     shutil.rmtree(run / "iter_0000" / "policy" / "_trainer_state")  # as keep_last_k_optimizer_states prunes it
     (run / "iter_0001" / "policy" / "_MANIFEST.json").unlink()
-    stopped = batchrl("run", str(path), "--run-id", "state-gone")
+    stopped = cli("run", path, "--run-id", "state-gone")
     assert stopped.returncode == 3, stopped.stderr[-4000:]  # not AdamW silently restarted from zero moments
     assert "iter_0000/policy/_trainer_state/" in stopped.stderr and "is gone" in stopped.stderr, stopped.stderr
     command = "--from-stage update --iteration 0"
     assert command in stopped.stderr, stopped.stderr[-4000:]
 
     before = started_at(run)
-    redone = batchrl("run", str(path), "--run-id", "state-gone", *command.split())
-    assert redone.returncode == 0, redone.stderr[-4000:]
+    cli_ok("run", path, "--run-id", "state-gone", *command.split())
     after = started_at(run)
     assert [rel for rel in STAGE_DIRS if after[rel] == before.get(rel)] == [
         "iter_0000/rollouts", "iter_0000/scores", "iter_0000/advantages"]
@@ -377,10 +321,7 @@ def test_stages_made_from_a_table_that_was_redone_differently_are_redone_even_wi
         "def digit_count(response, ground_truth, **row):\n    return float(len(response))\n")
     before = started_at(run)
     shutil.rmtree(run / "iter_0001" / "scores")
-    tests = REPO / "tests"
-    python_path = os.pathsep.join(str(p) for p in (changed_reward, tests / "stages", tests / "pipeline"))
-    result = batchrl("run", str(path), "--run-id", "scores-redone", env={"PYTHONPATH": python_path})
-    assert result.returncode == 0, result.stderr[-4000:]
+    cli_ok("run", path, "--run-id", "scores-redone", path_first=[changed_reward])  # shadows tests/stages' module
     after = started_at(run)
     assert [rel for rel in STAGE_DIRS if after[rel] != before[rel]] == [
         "iter_0001/scores", "iter_0001/advantages", "iter_0001/policy"]
@@ -414,7 +355,7 @@ def test_an_optimizer_state_file_changed_after_it_was_written_is_never_unpickled
     assert len(planted) < size
     metadata.write_bytes(planted + b"\0" * (size - len(planted)))  # same size: only its sha256 can tell
     (run / "iter_0001" / "policy" / "_MANIFEST.json").unlink()  # iteration 1's update is redone: it loads the state
-    result = batchrl("run", str(path), "--run-id", "state-tampered")
+    result = cli("run", path, "--run-id", "state-tampered")
     assert not marker.exists(), "the planted optimizer state was unpickled"
     assert result.returncode == 3, result.stderr[-4000:]
     assert f"data error: {metadata}: sha256 " in result.stderr and "did not load it" in result.stderr, \
@@ -425,7 +366,7 @@ UPDATE_RANK = "batchrl.trainer.worker"
 
 
 def session_processes(sid: int) -> list[str]:
-    """Command lines of the live processes of session ``sid``: a run started by start_batchrl and everything it
+    """Command lines of the live processes of session ``sid``: a run started by start_cli and everything it
     started (Ray's processes and update ranks stay in their driver's session). Zombies are not counted: they hold
     nothing, and whether they are reaped is up to init."""
     found = []
@@ -449,7 +390,7 @@ def wait_until_none_left(sid: int, *, timeout: float) -> None:
 def stopped_with_sigterm(path: Path, run: Path, moment, *, log: Path, again_after: float | None = None) -> str:
     """Starts (or resumes) the run, SIGTERMs its driver once ``moment(process)`` is true (and again ``again_after``
     s later, during the clean-up), checks that it stopped as schedulers expect; returns its output."""
-    process = start_batchrl("run", str(path), "--run-id", run.name, log=log)
+    process = start_cli("run", path, "--run-id", run.name, log=log)
     try:
         wait_for(lambda: moment(process) or process.poll() is not None, timeout=600)
         assert process.poll() is None, f"the run ended before the moment to stop it:\n{log.read_text()[-4000:]}"
@@ -484,15 +425,13 @@ def test_sigterm_during_a_ray_stage_and_during_the_update_exits_4_and_the_resume
     assert "iter 0 update: running" in output and not (run / "iter_0000" / "policy" / "_MANIFEST.json").exists()
     assert "SIGTERM received while stopping: finishing the clean-up first" in output
 
-    resumed = batchrl("run", str(path), "--run-id", "sigterm")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    cli_ok("run", path, "--run-id", "sigterm")
     assert_same_rows(expected_run, run)
 
 
-def test_a_driver_killed_with_sigkill_mid_stage_leaves_no_process_behind(tmp_path, toy_model_dir, toy_prompts_dir):
-    path = pipeline_file(tmp_path, toy_model_dir=toy_model_dir, train_files=[toy_prompts_dir],
-                         root=str(tmp_path / "runs"), iterations=1)
-    process = start_batchrl("run", str(path), "--run-id", "killed", log=tmp_path / "killed.log")
+def test_a_driver_killed_with_sigkill_mid_stage_leaves_no_process_behind(tmp_path, pipeline):
+    path = pipeline(FAULTS | {"run.iterations": 1})
+    process = start_cli("run", path, "--run-id", "killed", log=tmp_path / "killed.log")
     try:
         generating = tmp_path / "runs" / "killed" / "iter_0000" / "rollouts" / "_STARTED.json"
         wait_for(lambda: generating.exists() or process.poll() is not None, timeout=600)

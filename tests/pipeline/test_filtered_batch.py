@@ -6,15 +6,11 @@ HF engine, 4 prompts x 2 samples, a 1-process update."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-import yaml
+from harness import cli_ok, read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
 MARKER_ENV = "BATCHRL_TEST_EQUAL_REWARDS_MARKER"
 
 
@@ -33,43 +29,24 @@ def digests(directory: Path) -> dict[str, str]:
     return {p.relative_to(directory).as_posix(): sha256(p) for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def run_pipeline(path: Path, marker: Path, *extra: str) -> subprocess.CompletedProcess:
-    pythonpath = [str(REPO / "tests" / "pipeline"), os.environ.get("PYTHONPATH")]
-    env = {**os.environ, MARKER_ENV: str(marker), "PYTHONPATH": os.pathsep.join(filter(None, pythonpath))}
-    return subprocess.run([sys.executable, "-m", "batchrl.cli", "run", str(path), *extra], cwd=REPO,
-                          capture_output=True, text=True, env=env, timeout=600)
-
-
-def test_a_fully_filtered_batch_carries_the_policy_and_optimizer_state_forward(tmp_path, toy_model_dir,
-                                                                               toy_prompts_dir):
-    raw = {
-        "name": "filtered",
-        "run": {"root": str(tmp_path / "runs"), "seed": 1, "iterations": 1},
-        "model": {"path": toy_model_dir, "dtype": "float32"},
-        "data": {"train_files": [toy_prompts_dir], "shard_size": 4, "max_prompt_tokens": 96, "max_prompts": 4},
-        "generate": {"engine": "hf", "num_samples_per_prompt": 2, "max_new_tokens": 4},
-        "score": {"rewards": [{"reward": "test_filtered_batch:equal_once_marked", "weight": 1.0}]},
-        "advantage": {"filter_groups": True},
-        "update": {"num_processes": 1, "backend": "gloo", "lr": 1e-3, "micro_batch_size": 8},
-        "ray": {"num_cpus": 2},
-    }
-    path, marker = tmp_path / "filtered.yaml", tmp_path / "equal-rewards"
-    path.write_text(yaml.safe_dump(raw))
+def test_a_fully_filtered_batch_carries_the_policy_and_optimizer_state_forward(tmp_path, pipeline, toy_model_dir):
+    path = pipeline({"name": "filtered", "run.seed": 1, "data.max_prompts": 4, "generate.max_new_tokens": 4,
+                     "score.rewards": [{"reward": "test_filtered_batch:equal_once_marked", "weight": 1.0}],
+                     "advantage": {"filter_groups": True}})
+    marker = tmp_path / "equal-rewards"
     run = tmp_path / "runs" / "filtered"
 
-    first = run_pipeline(path, marker)  # iteration 0: rewards differ within groups, a real update
-    assert first.returncode == 0, first.stderr[-4000:]
+    cli_ok("run", path, env={MARKER_ENV: str(marker)})  # iteration 0: rewards differ within groups, a real update
     trained = run / "iter_0000" / "policy"
     assert sha256(trained / "model.safetensors") != sha256(Path(toy_model_dir) / "model.safetensors")
     state = digests(trained / "_trainer_state")
     assert "trainer_state.json" in state
 
     marker.touch()  # from now on every group's rewards are equal: dynamic sampling drops them all
-    extended = run_pipeline(path, marker, "--set", "run.iterations=3")
-    assert extended.returncode == 0, extended.stderr[-4000:]
+    extended = cli_ok("run", path, sets=["run.iterations=3"], env={MARKER_ENV: str(marker)})
     assert "no update, the policy is carried forward unchanged" in extended.stderr
 
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(run)
     assert [m["iteration"] for m in lines] == [0, 1, 2]
     assert "actor/update_skipped" not in lines[0] and lines[0]["actor/num_optimizer_steps"] > 0
     for metrics in lines[1:]:

@@ -8,20 +8,18 @@ this is exactly what `make demo` prints.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import REPO, cli_ok, read_manifest, read_metrics
 
 from batchrl.config import load_pipeline
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 GREEDY = "val-core/arith/reward/mean@1"
 
 
@@ -34,23 +32,20 @@ def overrides(tmp_path: Path) -> list[str]:
 
 
 def test_the_quickstart_raises_held_out_accuracy_by_25_points(tmp_path):
-    args = [arg for o in overrides(tmp_path) for arg in ("--set", o)]
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "batchrl.cli", "run", "pipelines/quickstart.yaml", "--run-id",
-                           "learns", *args], cwd=REPO, capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = cli_ok("run", "pipelines/quickstart.yaml", "--run-id", "learns", sets=overrides(tmp_path), timeout=3600)
     wall_s = time.perf_counter() - started
     cfg = load_pipeline(REPO / "pipelines/quickstart.yaml", overrides=overrides(tmp_path))
     run_dir = Path(cfg.run.root) / "learns"
     last = cfg.run.iterations - 1
-    before = json.loads((run_dir / "evaluation" / "_MANIFEST.json").read_text())["stats"]
-    after = json.loads((run_dir / f"iter_{last:04d}" / "evaluation" / "_MANIFEST.json").read_text())["stats"]
+    before = read_manifest(run_dir / "evaluation")["stats"]
+    after = read_manifest(run_dir / f"iter_{last:04d}" / "evaluation")["stats"]
     print(f"quickstart run: {wall_s:.0f} s (toy build included)\n{done.stdout}")
     assert before[GREEDY] <= 0.6, "the warm-started model must start well below ceiling"
     assert after[GREEDY] - before[GREEDY] >= 0.25
     assert f"{GREEDY}: {before[GREEDY]:.3f} -> {after[GREEDY]:.3f}" in done.stdout  # the summary says so
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run_dir)
     assert [m["iteration"] for m in metrics] == list(range(cfg.run.iterations))
     for m in metrics:  # reward, KL and response length per iteration, as the issue asks
         assert {"critic/score/mean", "actor/ppo_kl", "response_length/mean"} <= set(m)

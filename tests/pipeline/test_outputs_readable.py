@@ -6,14 +6,11 @@ One tiny run for the module: HF engine, 4 prompts in 2 shards, 2 samples of 4 to
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import yaml
+from harness import cli_ok, write_pipeline
 
 from batchrl.storage.schemas import load_schema
 from batchrl.storage import resolve
@@ -21,33 +18,17 @@ from batchrl.tracking import run_tables
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, SAMPLES = 4, 2
-
-
-def batchrl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchrl.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, toy_model_dir, toy_prompts_dir) -> Path:
     tmp = tmp_path_factory.mktemp("readable")
-    raw = {
-        "name": "readable",
-        "run": {"root": str(tmp / "runs"), "seed": 5, "iterations": 1},
-        "model": {"path": toy_model_dir, "dtype": "float32"},
-        "data": {"train_files": [toy_prompts_dir], "shard_size": 2, "max_prompt_tokens": 96,
-                 "max_prompts": NUM_PROMPTS},
-        "generate": {"engine": "hf", "num_samples_per_prompt": SAMPLES, "max_new_tokens": 4},
+    cli_ok("run", write_pipeline(tmp, {
+        "name": "readable", "data": {"shard_size": 2, "max_prompts": NUM_PROMPTS},
+        "generate": {"num_samples_per_prompt": SAMPLES, "max_new_tokens": 4},
         "score": {"rewards": [{"reward": "format_hash", "weight": 1.0}]},
-        "update": {"num_processes": 1, "backend": "gloo", "lr": 1e-3, "micro_batch_size": 8},
-        "ray": {"num_cpus": 2},
-    }
-    path = tmp / "readable.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    result = batchrl("run", str(path))
-    assert result.returncode == 0, result.stderr[-4000:]
+    }, model=toy_model_dir, prompts=toy_prompts_dir))
     return tmp / "runs" / "readable"
 
 
@@ -86,8 +67,7 @@ def test_every_table_of_a_run_reads_with_pandas_duckdb_and_datasets(run_dir, tmp
 
 
 def test_inspect_prints_the_schema_the_row_count_and_first_rows_of_a_table(run_dir):
-    result = batchrl("inspect", str(run_dir / "iter_0000" / "scores"), "--rows", "1")
-    assert result.returncode == 0, result.stderr
+    result = cli_ok("inspect", run_dir / "iter_0000" / "scores", "--rows", "1")
     lines = result.stdout.splitlines()
     assert lines[0].startswith("score stage table") and f"{NUM_PROMPTS} rows" in lines[0]
     assert "scores: list<element: float>" in result.stdout and "response_texts: list" in result.stdout

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,8 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
-from test_run_end_to_end import ITERATIONS, REPO, SAMPLES, batchrl, check_run, pipeline_file, read_json
+from harness import cli_ok, free_port, pythonpath, read_json
+from test_run_end_to_end import E2E, ITERATIONS, check_run
 
 from batchrl.storage import resolve
 
@@ -32,11 +31,10 @@ def ray_cluster(s3_env) -> dict[str, str]:
     temp_dir = tempfile.mkdtemp(prefix="brl-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray_cli = Path(sys.executable).with_name("ray")
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
-    pythonpath = os.pathsep.join(filter(None, [str(REPO / "tests" / "stages"), os.environ.get("PYTHONPATH")]))
     head = subprocess.Popen(
-        [str(ray_cli), "start", "--head", "--block", f"--port={_free_port()}", "--num-cpus=4",
+        [str(ray_cli), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=4",
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
-        env={**os.environ, **s3_env, **auth, "PYTHONPATH": pythonpath}, start_new_session=True,
+        env={**os.environ, **s3_env, **auth, "PYTHONPATH": pythonpath()}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address_file = Path(temp_dir) / "ray_current_cluster"
     deadline = time.monotonic() + 60
@@ -48,12 +46,6 @@ def ray_cluster(s3_env) -> dict[str, str]:
     yield {"RAY_ADDRESS": address_file.read_text().strip(), **auth}
     _stop(head)
     shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stop(head: subprocess.Popen) -> None:
@@ -72,29 +64,21 @@ def _stop(head: subprocess.Popen) -> None:
 
 
 def test_run_on_a_ray_cluster_updates_with_ray_actors_that_write_the_policy_to_object_storage(
-        tmp_path, toy_model_dir, toy_prompts_dir, s3_env, s3_bucket, ray_cluster):
-    fs, _ = resolve(f"s3://{s3_bucket}")
-    for local in sorted(Path(toy_prompts_dir).glob("*.parquet")):
-        fs.put_file(str(local), f"{s3_bucket}/prompts/{local.name}")
-    path = pipeline_file(tmp_path, toy_model_dir=toy_model_dir, train_files=[f"s3://{s3_bucket}/prompts/"],
-                         root=f"s3://{s3_bucket}/runs",  # the transformers engine: quicker to start than vLLM
-                         generate={"engine": "hf", "num_samples_per_prompt": SAMPLES, "max_new_tokens": 12})
+        pipeline, s3_env, s3_bucket, s3_prompts, ray_cluster):
+    path = pipeline(E2E | {"data.train_files": [s3_prompts], "run.root": f"s3://{s3_bucket}/runs",
+                           "generate.engine": "hf"})  # the transformers engine: quicker to start than vLLM
 
-    result = batchrl("run", str(path), env={**s3_env, **ray_cluster})
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = cli_ok("run", path, env={**s3_env, **ray_cluster})
     run_dir = f"s3://{s3_bucket}/runs/e2e"
     check_run(run_dir)
     assert result.stderr.count("on 2 Ray worker(s)") == ITERATIONS  # update.launcher: auto chose the Ray actors
     second = read_json(f"{run_dir}/iter_0001/metrics.json")
     assert second["actor/optimizer_state_restored"] == 1.0  # every rank's optimizer shards went to S3 and back
+    fs, _ = resolve(f"s3://{s3_bucket}")
     assert fs.exists(f"{s3_bucket}/runs/e2e/iter_0001/policy/_trainer_state/optimizer/__1_0.distcp")
 
     # The launcher is not part of the update's fingerprint: running it locally instead redoes nothing.
-    raw = yaml.safe_load(path.read_text())
-    raw["update"]["launcher"] = "local"
-    path.write_text(yaml.safe_dump(raw))
-    plan = batchrl("plan", str(path), env=s3_env)
-    assert plan.returncode == 0, plan.stderr
+    plan = cli_ok("plan", path, sets=["update.launcher=local"], env=s3_env)
     assert plan.stdout.count("skip (complete)") == 1 + 4 * ITERATIONS
 
 
@@ -107,8 +91,7 @@ def two_node_cluster(monkeypatch) -> dict[str, str]:
 
     if ray.is_initialized():
         ray.shutdown()
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(REPO / "tests" / "stages"), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
@@ -116,14 +99,10 @@ def two_node_cluster(monkeypatch) -> dict[str, str]:
     cluster.shutdown()
 
 
-def test_run_on_two_nodes_with_a_shared_local_run_directory(tmp_path, toy_model_dir, toy_prompts_dir,
-                                                            two_node_cluster):
-    path = pipeline_file(tmp_path, toy_model_dir=toy_model_dir, train_files=[toy_prompts_dir],
-                         root=str(tmp_path / "runs"),
-                         generate={"engine": "hf", "num_samples_per_prompt": SAMPLES, "max_new_tokens": 12})
+def test_run_on_two_nodes_with_a_shared_local_run_directory(tmp_path, pipeline, two_node_cluster):
+    path = pipeline(E2E | {"generate.engine": "hf"})
 
-    result = batchrl("run", str(path), env=two_node_cluster)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = cli_ok("run", path, env=two_node_cluster)
     check_run(str(tmp_path / "runs" / "e2e"))
     assert result.stderr.count("on 2 Ray worker(s)") == ITERATIONS  # the update ran as Ray actors, not refused
     assert not any(p.name.startswith(".batchrl-shared-probe-") for p in tmp_path.rglob("*"))

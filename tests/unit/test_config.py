@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from harness import REPO, cli, write_yaml
 
 from batchrl.config import ConfigError, load_pipeline
-
-REPO = Path(__file__).resolve().parents[2]
 
 MINIMAL = {
     "name": "t",
@@ -21,9 +18,7 @@ MINIMAL = {
 
 
 def write(tmp_path: Path, raw: dict, name: str = "p.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return write_yaml(tmp_path / name, raw)
 
 
 def test_minimal_pipeline_gets_documented_defaults(tmp_path):
@@ -150,12 +145,8 @@ def test_grpo_math_is_the_real_qwen_job_on_object_storage():
     assert cfg.generate.engine == "vllm" and cfg.update.backend == "nccl"
 
 
-def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchrl.cli", *args], cwd=cwd, capture_output=True, text=True)
-
-
 def test_validate_prints_the_resolved_config():
-    result = run_cli("validate", "pipelines/quickstart.yaml", "--set", "generate.max_new_tokens=9")
+    result = cli("validate", "pipelines/quickstart.yaml", "--set", "generate.max_new_tokens=9")
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
     assert resolved["generate"]["max_new_tokens"] == 9
@@ -164,7 +155,7 @@ def test_validate_prints_the_resolved_config():
 
 def test_validate_exits_2_with_a_one_line_field_error_and_no_traceback(tmp_path):
     raw = dict(MINIMAL, update={"lr": "fast"})
-    result = run_cli("validate", str(write(tmp_path, raw)))
+    result = cli("validate", str(write(tmp_path, raw)))
     assert result.returncode == 2
     assert "update.lr" in result.stderr
     assert "Traceback" not in result.stderr
@@ -172,7 +163,7 @@ def test_validate_exits_2_with_a_one_line_field_error_and_no_traceback(tmp_path)
 
 def test_run_with_a_config_error_exits_2_and_writes_nothing(tmp_path):
     raw = dict(MINIMAL, run={"root": str(tmp_path / "runs")}, bogus=1)
-    result = run_cli("run", str(write(tmp_path, raw)))
+    result = cli("run", str(write(tmp_path, raw)))
     assert result.returncode == 2
     assert "unknown field 'bogus'" in result.stderr
     assert not (tmp_path / "runs").exists()

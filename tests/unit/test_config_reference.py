@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from harness import REPO
 
 from batchrl.config.models import ModelConfig
 from batchrl.config.reference import render_reference
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_committed_config_reference_is_what_the_models_render():
