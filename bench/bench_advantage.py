@@ -61,13 +61,20 @@ def main() -> None:
     ours = grpo_advantages(rewards_PG, eps=eps)
     np.testing.assert_allclose(ours, per_group_loop(rewards_PG, eps), rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(ours, bare_numpy(rewards_PG, eps), rtol=1e-9, atol=1e-9)
-    best = interleaved_best({"ours": lambda: grpo_advantages(rewards_PG, eps=eps),
-                             "loop": lambda: per_group_loop(rewards_PG, eps),
-                             "numpy": lambda: bare_numpy(rewards_PG, eps)},
-                            rounds=args.rounds, rounds_of={"loop": 2})
+    best = interleaved_best(
+        {
+            "ours": lambda: grpo_advantages(rewards_PG, eps=eps),
+            "loop": lambda: per_group_loop(rewards_PG, eps),
+            "numpy": lambda: bare_numpy(rewards_PG, eps),
+        },
+        rounds=args.rounds,
+        rounds_of={"loop": 2},
+    )
     t_ours, t_loop, t_numpy = best["ours"], best["loop"], best["numpy"]
-    print(f"advantage, {rewards_PG.size:,} samples in groups of {args.group_size}: batchrl {t_ours:.3f} s, "
-          f"per-group loop {t_loop:.3f} s, bare numpy {t_numpy:.3f} s (CPU time, best of interleaved rounds)")
+    print(
+        f"advantage, {rewards_PG.size:,} samples in groups of {args.group_size}: batchrl {t_ours:.3f} s, "
+        f"per-group loop {t_loop:.3f} s, bare numpy {t_numpy:.3f} s (CPU time, best of interleaved rounds)"
+    )
     print(f"RESULT advantage_vs_loop_speedup={t_loop / t_ours:.1f} (target >= 50)")
     print(f"RESULT advantage_vs_numpy_ratio={t_ours / t_numpy:.2f} (target <= 2)")
 

@@ -19,11 +19,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 def main() -> None:
     import pyarrow as pa
+    from transformers import AutoTokenizer
 
     from batchrl.stages.generate import EngineSpec, GenerateWorker, ShardSettings
     from batchrl.storage import write_parquet_atomic
     from batchrl_toy import build_arith_prompts, build_toy_model
-    from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=64)
@@ -37,20 +37,45 @@ def main() -> None:
     build_arith_prompts(f"{work}/prompts", num_prompts=args.prompts, num_shards=1, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = pa.parquet.read_table(f"{work}/prompts/part-00000.parquet").to_pylist()
-    token_ids = [tokenizer.apply_chat_template([{"role": "user", "content": q["prompt"]}], add_generation_prompt=True,
-                                               tokenize=True)["input_ids"] for q in questions]
+    token_ids = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q["prompt"]}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for q in questions
+    ]
     n = len(questions)
-    table = pa.table({"prompt_id": [q["prompt_id"] for q in questions], "data_source": ["arith"] * n,
-                      "messages_json": ["[]"] * n, "prompt_text": [q["prompt"] for q in questions],
-                      "prompt_token_ids": token_ids, "ground_truth": [q["ground_truth"] for q in questions],
-                      "extra_info_json": [None] * n, "source_file": ["bench"] * n, "source_row": list(range(n))})
+    table = pa.table(
+        {
+            "prompt_id": [q["prompt_id"] for q in questions],
+            "data_source": ["arith"] * n,
+            "messages_json": ["[]"] * n,
+            "prompt_text": [q["prompt"] for q in questions],
+            "prompt_token_ids": token_ids,
+            "ground_truth": [q["ground_truth"] for q in questions],
+            "extra_info_json": [None] * n,
+            "source_file": ["bench"] * n,
+            "source_row": list(range(n)),
+        }
+    )
     input_uri = f"{work}/shard.parquet"
     write_parquet_atomic(table, input_uri)
 
-    worker = GenerateWorker(EngineSpec(engine="vllm", initial_policy=model_dir, dtype="float32", max_model_len=512,
-                                       engine_kwargs=(("enable_chunked_prefill", False), ("enforce_eager", True), ("seed", 0))))
-    settings = ShardSettings(policy=model_dir, sampling={"temperature": 1.0, "max_new_tokens": args.max_new_tokens},
-                             num_samples_per_prompt=args.samples, run_seed=0, iteration=0)
+    worker = GenerateWorker(
+        EngineSpec(
+            engine="vllm",
+            initial_policy=model_dir,
+            dtype="float32",
+            max_model_len=512,
+            engine_kwargs=(("enable_chunked_prefill", False), ("enforce_eager", True), ("seed", 0)),
+        )
+    )
+    settings = ShardSettings(
+        policy=model_dir,
+        sampling={"temperature": 1.0, "max_new_tokens": args.max_new_tokens},
+        num_samples_per_prompt=args.samples,
+        run_seed=0,
+        iteration=0,
+    )
     llm = worker.engine.llm
     from vllm import SamplingParams, TokensPrompt
 
@@ -84,16 +109,20 @@ def main() -> None:
     ratios = []
     for round_index in range(args.rounds):
         rates = {}
-        for name, fn in runs[round_index % 3:] + runs[:round_index % 3]:
+        for name, fn in runs[round_index % 3 :] + runs[: round_index % 3]:
             started = time.perf_counter()
             tokens = fn()
             rates[name] = tokens / (time.perf_counter() - started)
             best[name] = max(best.get(name, 0.0), rates[name])
         ratios.append(rates["batchrl"] / max(rates["raw n=k"], rates["raw n=1 x k"]))
-    print(f"generate, {args.prompts} prompts x {args.samples} samples x <= {args.max_new_tokens} tokens, best of "
-          f"{args.rounds} (tok/s): " + ", ".join(f"{name} {rate:.0f}" for name, rate in best.items()))
+    print(
+        f"generate, {args.prompts} prompts x {args.samples} samples x <= {args.max_new_tokens} tokens, best of "
+        f"{args.rounds} (tok/s): " + ", ".join(f"{name} {rate:.0f}" for name, rate in best.items())
+    )
     print("ratio per round: " + ", ".join(f"{r:.2f}" for r in ratios))
-    print(f"RESULT generate_vs_raw_vllm={statistics.median(ratios):.2f} (median of {args.rounds} rounds; target >= 0.9)")
+    print(
+        f"RESULT generate_vs_raw_vllm={statistics.median(ratios):.2f} (median of {args.rounds} rounds; target >= 0.9)"
+    )
     worker.engine.close()
 
 

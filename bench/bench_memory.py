@@ -48,13 +48,17 @@ def synthetic_rollouts(shard: int, *, num_groups: int, group_size: int, response
     truths_P = rng.integers(0, 10, size=num_groups)
     ids_P = [f"s{shard}-{i}" for i in range(num_groups)]
     columns = {
-        "prompt_id": ids_P, "data_source": ["synthetic"] * num_groups,
+        "prompt_id": ids_P,
+        "data_source": ["synthetic"] * num_groups,
         "messages_json": ['[{"role": "user", "content": "1+1?"}]'] * num_groups,
         "prompt_text": ["What is 1+1?"] * num_groups,
-        "prompt_token_ids": pa.ListArray.from_arrays(pa.array(np.arange(num_groups + 1, dtype=np.int32) * 4),
-                                                     pa.array(np.ones(num_groups * 4, dtype=np.int32))),
-        "ground_truth": truths_P.astype(str).tolist(), "extra_info_json": [None] * num_groups,
-        "source_file": ["synthetic.parquet"] * num_groups, "source_row": np.arange(num_groups, dtype=np.int64),
+        "prompt_token_ids": pa.ListArray.from_arrays(
+            pa.array(np.arange(num_groups + 1, dtype=np.int32) * 4), pa.array(np.ones(num_groups * 4, dtype=np.int32))
+        ),
+        "ground_truth": truths_P.astype(str).tolist(),
+        "extra_info_json": [None] * num_groups,
+        "source_file": ["synthetic.parquet"] * num_groups,
+        "source_row": np.arange(num_groups, dtype=np.int64),
         "response_texts": per_sample(pa.array(answers_S.astype(str))),
         "response_token_ids": per_token(rng.integers(0, 300, size=num_samples * response_tokens, dtype=np.int32)),
         "response_logprobs": per_token(np.full(num_samples * response_tokens, -1.0, dtype=np.float32)),
@@ -68,13 +72,14 @@ def synthetic_rollouts(shard: int, *, num_groups: int, group_size: int, response
 
 def child(args: argparse.Namespace) -> None:
     """Streams ``args.samples`` samples through score and advantage; prints one JSON line."""
-    from batchrl.storage.schemas import conform
     from batchrl.stages.advantage import AdvantageWorker
     from batchrl.stages.score import ScoreWorker
     from batchrl.storage import read_parquet, write_parquet_atomic
+    from batchrl.storage.schemas import conform
 
-    score = ScoreWorker(terms=[{"reward": "exact_match", "weight": 1.0}], by_data_source={}, failure_reward=0.0,
-                        timeout_s=None)
+    score = ScoreWorker(
+        terms=[{"reward": "exact_match", "weight": 1.0}], by_data_source={}, failure_reward=0.0, timeout_s=None
+    )
     advantage = AdvantageWorker(config={"estimator": "grpo"}, moments=None)
     rss_after_imports = peak_rss_mb()
     num_groups_total = args.samples // args.group_size
@@ -82,8 +87,9 @@ def child(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         for shard, first in enumerate(range(0, num_groups_total, args.shard_groups)):
             num_groups = min(args.shard_groups, num_groups_total - first)
-            rollouts = synthetic_rollouts(shard, num_groups=num_groups, group_size=args.group_size,
-                                          response_tokens=args.response_tokens)
+            rollouts = synthetic_rollouts(
+                shard, num_groups=num_groups, group_size=args.group_size, response_tokens=args.response_tokens
+            )
             scores, _ = score.process(rollouts)
             scores_uri = os.path.join(tmp, f"scores-{shard:05d}.parquet")
             write_parquet_atomic(conform(scores, "scores"), scores_uri)
@@ -96,13 +102,32 @@ def child(args: argparse.Namespace) -> None:
             os.remove(scores_uri)
             os.remove(advantages_uri)
     assert done_samples == num_groups_total * args.group_size, (done_samples, args.samples)
-    print(json.dumps({"samples": done_samples, "peak_rss_mb": peak_rss_mb(), "rss_after_imports_mb": rss_after_imports,
-                      "seconds": time.perf_counter() - started}))
+    print(
+        json.dumps(
+            {
+                "samples": done_samples,
+                "peak_rss_mb": peak_rss_mb(),
+                "rss_after_imports_mb": rss_after_imports,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+    )
 
 
 def measure(samples: int, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--child", "--samples", str(samples), "--group-size", str(args.group_size),
-               "--shard-groups", str(args.shard_groups), "--response-tokens", str(args.response_tokens)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--samples",
+        str(samples),
+        "--group-size",
+        str(args.group_size),
+        "--shard-groups",
+        str(args.shard_groups),
+        "--response-tokens",
+        str(args.response_tokens),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         sys.stderr.write(result.stderr[-3000:])
@@ -125,11 +150,15 @@ def main() -> None:
         return
     small, large = measure(args.small, args), measure(args.large, args)
     for run in (small, large):
-        print(f"score+advantage, {run['samples']:,} samples in shards of {args.shard_groups * args.group_size:,}: "
-              f"peak RSS {run['peak_rss_mb']:.0f} MiB (after imports {run['rss_after_imports_mb']:.0f} MiB), "
-              f"{run['seconds']:.1f} s ({run['samples'] / run['seconds']:,.0f} samples/s)")
-    print(f"RESULT memory_peak_rss_mb_{args.large // 1_000_000}M={large['peak_rss_mb']:.0f} "
-          f"(baseline {args.small // 1_000_000}M: {small['peak_rss_mb']:.0f})")
+        print(
+            f"score+advantage, {run['samples']:,} samples in shards of {args.shard_groups * args.group_size:,}: "
+            f"peak RSS {run['peak_rss_mb']:.0f} MiB (after imports {run['rss_after_imports_mb']:.0f} MiB), "
+            f"{run['seconds']:.1f} s ({run['samples'] / run['seconds']:,.0f} samples/s)"
+        )
+    print(
+        f"RESULT memory_peak_rss_mb_{args.large // 1_000_000}M={large['peak_rss_mb']:.0f} "
+        f"(baseline {args.small // 1_000_000}M: {small['peak_rss_mb']:.0f})"
+    )
     print(f"RESULT memory_peak_rss_ratio={large['peak_rss_mb'] / small['peak_rss_mb']:.2f} (target <= 1.2)")
 
 

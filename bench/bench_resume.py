@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: tests/harness.py
-from harness import DEFAULT, cli_ok, write_pipeline  # noqa: E402
+from harness import DEFAULT, cli_ok, write_pipeline
 
 
 def pipeline(tmp: Path, *, iterations: int) -> Path:
@@ -25,10 +25,17 @@ def pipeline(tmp: Path, *, iterations: int) -> Path:
     from batchrl_toy import ensure_toy_assets
 
     ensure_toy_assets(tmp / "toy" / "model", tmp / "toy" / "prompts", num_prompts=8, num_shards=2, seed=0)
-    return write_pipeline(tmp, {"name": "bench-resume", "run": {"seed": 1, "iterations": iterations},
-                                "data.max_prompts": DEFAULT,
-                                "score.rewards": [{"reward": "format_hash", "weight": 1.0}]},
-                          model=str(tmp / "toy" / "model"), prompts=str(tmp / "toy" / "prompts"))
+    return write_pipeline(
+        tmp,
+        {
+            "name": "bench-resume",
+            "run": {"seed": 1, "iterations": iterations},
+            "data.max_prompts": DEFAULT,
+            "score.rewards": [{"reward": "format_hash", "weight": 1.0}],
+        },
+        model=str(tmp / "toy" / "model"),
+        prompts=str(tmp / "toy" / "prompts"),
+    )
 
 
 def timed(*args: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -56,12 +63,16 @@ def main() -> None:
         again, t_again = timed("run", str(path))
     total = 1 + 4 * args.iterations
     complete = plan.stdout.count("skip (complete)")
-    print(f"resume, {total} stages ({args.iterations} iterations): first run {t_first:.1f} s ran "
-          f"{stages_ran(first.stdout)}; plan: {complete} of {total} complete; no-op resume {t_again:.1f} s")
+    print(
+        f"resume, {total} stages ({args.iterations} iterations): first run {t_first:.1f} s ran "
+        f"{stages_ran(first.stdout)}; plan: {complete} of {total} complete; no-op resume {t_again:.1f} s"
+    )
     print(f"RESULT resume_stages_redone={stages_ran(again.stdout)} (target 0)")
     print(f"RESULT resume_plan_stages_pending={total - complete} (target 0)")
-    print(f"RESULT resume_noop_wall_s={t_again:.1f} (baseline: the run itself {t_first:.1f} s, "
-          f"ratio {t_again / t_first:.2f})")
+    print(
+        f"RESULT resume_noop_wall_s={t_again:.1f} (baseline: the run itself {t_first:.1f} s, "
+        f"ratio {t_again / t_first:.2f})"
+    )
 
 
 if __name__ == "__main__":

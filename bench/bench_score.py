@@ -16,9 +16,9 @@ import time
 
 import pyarrow as pa
 
-from batchrl.storage.schemas import conform
 from batchrl.rewards import REWARDS
 from batchrl.stages.score import ScoreWorker
+from batchrl.storage.schemas import conform
 
 FILLER = "Let me think step by step. First we add the numbers, then we check the result again. "
 
@@ -34,21 +34,37 @@ def synthetic_rollouts(num_groups: int, group_size: int, *, data_source: str, se
             responses = [FILLER * 3 + f"So the answer is $\\boxed{{\\frac{{{2 * a}}}{{2}}}}$." for a in answers]
         else:
             responses = [FILLER * 3 + f"\n#### {a:,}" for a in answers]
-        rows.append({
-            "prompt_id": f"p{g}", "data_source": data_source, "messages_json": "[]", "prompt_text": "What is it?",
-            "prompt_token_ids": [1, 2, 3], "ground_truth": str(truth), "extra_info_json": None, "source_file": "f",
-            "source_row": g, "response_texts": responses, "response_token_ids": [[5] * 8] * group_size,
-            "response_logprobs": [[-0.5] * 8] * group_size, "finish_reasons": ["stop"] * group_size,
-            "response_lengths": [80] * group_size, "sample_seeds": list(range(group_size)), "policy_version": 0,
-        })
+        rows.append(
+            {
+                "prompt_id": f"p{g}",
+                "data_source": data_source,
+                "messages_json": "[]",
+                "prompt_text": "What is it?",
+                "prompt_token_ids": [1, 2, 3],
+                "ground_truth": str(truth),
+                "extra_info_json": None,
+                "source_file": "f",
+                "source_row": g,
+                "response_texts": responses,
+                "response_token_ids": [[5] * 8] * group_size,
+                "response_logprobs": [[-0.5] * 8] * group_size,
+                "finish_reasons": ["stop"] * group_size,
+                "response_lengths": [80] * group_size,
+                "sample_seeds": list(range(group_size)),
+                "policy_version": 0,
+            }
+        )
     return conform(pa.Table.from_pylist(rows), "rollouts")
 
 
 def plain_loop_seconds(table: pa.Table, reward: str, *, repeats: int) -> tuple[float, float]:
     """Best time of `repeats` plain loops (one call per sample), and the reward sum."""
     fn = REWARDS[reward]
-    pairs = [(r, t) for group, t in zip(table.column("response_texts").to_pylist(),
-                                        table.column("ground_truth").to_pylist()) for r in group]
+    pairs = [
+        (r, t)
+        for group, t in zip(table.column("response_texts").to_pylist(), table.column("ground_truth").to_pylist())
+        for r in group
+    ]
     best, total = float("inf"), 0.0
     for _ in range(repeats):
         started = time.perf_counter()
@@ -79,10 +95,12 @@ def measure(reward: str, num_groups: int, group_size: int, *, repeats: int, targ
     t_isolated, isolated_sum = worker_seconds(table, reward, timeout_s=10.0, repeats=repeats)
     t_inline, inline_sum = worker_seconds(table, reward, timeout_s=None, repeats=repeats)
     assert loop_sum == isolated_sum == inline_sum, (loop_sum, isolated_sum, inline_sum)
-    print(f"score {reward}, {num_samples:,} samples ({num_groups:,} groups x {group_size}), best of {repeats}: "
-          f"plain loop {num_samples / t_loop:,.0f} rows/s ({t_loop / num_samples * 1e6:.1f} us/row), "
-          f"worker with timeout_s (child process) {num_samples / t_isolated:,.0f} rows/s, "
-          f"worker inline (timeout_s=null) {num_samples / t_inline:,.0f} rows/s")
+    print(
+        f"score {reward}, {num_samples:,} samples ({num_groups:,} groups x {group_size}), best of {repeats}: "
+        f"plain loop {num_samples / t_loop:,.0f} rows/s ({t_loop / num_samples * 1e6:.1f} us/row), "
+        f"worker with timeout_s (child process) {num_samples / t_isolated:,.0f} rows/s, "
+        f"worker inline (timeout_s=null) {num_samples / t_inline:,.0f} rows/s"
+    )
     print(f"RESULT score_{reward}_isolated_vs_loop={t_loop / t_isolated:.2f} (target >= {target})")
     print(f"RESULT score_{reward}_inline_vs_loop={t_loop / t_inline:.2f} (target >= {target})")
 

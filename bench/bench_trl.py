@@ -51,8 +51,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: tests/harness.py
-from harness import REPO, cli_ok  # noqa: E402
-
+from harness import REPO, cli_ok
 
 # TRL's GRPOTrainer has no dual-clip PPO; batchrl applies it by default (as verl does), so it is switched off
 # for the comparison.
@@ -79,9 +78,16 @@ def run_batchrl(pipeline: str, root: str, iterations: int) -> tuple[float, list[
     by `evaluate` below, in one engine pool with the same sampling seeds, and batchrl's wall is training only.
     """
     started = time.perf_counter()
-    cli_ok("run", REPO / pipeline, "--run-id", "batchrl", sets=[
-        f"run.root={root}", f"run.iterations={iterations}", "evaluate=null", *SAME_ARITHMETIC],
-        stdout=subprocess.DEVNULL, stderr=None, timeout=None)
+    cli_ok(
+        "run",
+        REPO / pipeline,
+        "--run-id",
+        "batchrl",
+        sets=[f"run.root={root}", f"run.iterations={iterations}", "evaluate=null", *SAME_ARITHMETIC],
+        stdout=subprocess.DEVNULL,
+        stderr=None,
+        timeout=None,
+    )
     wall = time.perf_counter() - started
     run_dir = Path(root) / "batchrl"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -142,25 +148,48 @@ def trl_config(cfg, out_dir: str, num_prompts: int):
         raise SystemExit(f"{num_prompts} prompts do not split into mini-batches of {prompts_per_step}")
     steps_per_iteration = num_prompts // prompts_per_step
     return GRPOConfig(
-        output_dir=out_dir, use_cpu=True, report_to="none", save_strategy="no", logging_steps=10**6,
-        seed=cfg.run.seed, data_seed=cfg.run.seed, model_init_kwargs={"dtype": cfg.model.dtype},
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        seed=cfg.run.seed,
+        data_seed=cfg.run.seed,
+        model_init_kwargs={"dtype": cfg.model.dtype},
         # optimizer: AdamW, constant lr, the same clip norm (batchrl keeps Adam's state across iterations too)
-        learning_rate=u.lr, lr_scheduler_type="constant", warmup_steps=u.lr_warmup_steps,
-        weight_decay=u.weight_decay, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=u.max_grad_norm,
+        learning_rate=u.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=u.lr_warmup_steps,
+        weight_decay=u.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=u.max_grad_norm,
         # one round = every prompt x num_generations, split into steps_per_generation mini-batches of
         # per_device_train_batch_size SAMPLES (TRL counts completions, batchrl counts prompts), one backward each
         num_generations=g.num_samples_per_prompt,
         per_device_train_batch_size=prompts_per_step * g.num_samples_per_prompt,
-        gradient_accumulation_steps=1, steps_per_generation=steps_per_iteration, num_iterations=u.ppo_epochs,
-        max_steps=cfg.run.iterations * steps_per_iteration * u.ppo_epochs, shuffle_dataset=True,
+        gradient_accumulation_steps=1,
+        steps_per_generation=steps_per_iteration,
+        num_iterations=u.ppo_epochs,
+        max_steps=cfg.run.iterations * steps_per_iteration * u.ppo_epochs,
+        shuffle_dataset=True,
         # sampling
-        max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-        top_k=0 if g.top_k < 0 else g.top_k, use_vllm=False,
+        max_completion_length=g.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=0 if g.top_k < 0 else g.top_k,
+        use_vllm=False,
         # loss: PPO clip on token ratios, token-mean over the mini-batch ("dapo" with no accumulation),
         # (r - group mean) / (group std + eps) advantages, no KL (no reference model), no entropy bonus
-        beta=0.0, epsilon=u.clip_ratio_low, epsilon_high=u.clip_ratio_high, loss_type="dapo",
-        scale_rewards="group", importance_sampling_level="token", mask_truncated_completions=False,
-        disable_dropout=True)
+        beta=0.0,
+        epsilon=u.clip_ratio_low,
+        epsilon_high=u.clip_ratio_high,
+        loss_type="dapo",
+        scale_rewards="group",
+        importance_sampling_level="token",
+        mask_truncated_completions=False,
+        disable_dropout=True,
+    )
 
 
 def run_trl(cfg, out_dir: str) -> dict:
@@ -184,8 +213,9 @@ def run_trl(cfg, out_dir: str) -> dict:
                 self.marks.append(time.perf_counter())
 
     timer = RoundTimer()
-    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=trl_reward(cfg, counter), args=args,
-                          train_dataset=dataset, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=cfg.model.path, reward_funcs=trl_reward(cfg, counter), args=args, train_dataset=dataset, callbacks=[timer]
+    )
     gen_seconds: list[float] = []
     # Timed to split a round into generation (+ reward, advantages, old logprobs) and update: a private method
     # of TRL 1.x's GRPOTrainer, called once per round.
@@ -206,8 +236,13 @@ def run_trl(cfg, out_dir: str) -> dict:
     policy = f"{out_dir}/policy"
     trainer.model.save_pretrained(policy, safe_serialization=True)
     trainer.processing_class.save_pretrained(policy)
-    return {"wall": wall, "rounds": [b - a for a, b in zip(timer.marks, timer.marks[1:])], "gen": gen_seconds,
-            "samples": counter[0], "policy": policy}
+    return {
+        "wall": wall,
+        "rounds": [b - a for a, b in zip(timer.marks, timer.marks[1:])],
+        "gen": gen_seconds,
+        "samples": counter[0],
+        "policy": policy,
+    }
 
 
 def evaluate(cfg, policies: dict[str, str]) -> dict[str, dict[str, float]]:
@@ -221,9 +256,23 @@ def evaluate(cfg, policies: dict[str, str]) -> dict[str, dict[str, float]]:
     ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, configure_logging=False)
     try:
         layout = RunLayout.for_run(cfg.run.root, "eval")
-        return {name: EvaluateStage().run(StageContext(
-            cfg=cfg, layout=layout, iteration=None, output_dir=f"{layout.run_dir}/{name}", fingerprint=name, inputs={},
-            input_dirs={}, policy_in=policy)).stats for name, policy in policies.items()}
+        return {
+            name: EvaluateStage()
+            .run(
+                StageContext(
+                    cfg=cfg,
+                    layout=layout,
+                    iteration=None,
+                    output_dir=f"{layout.run_dir}/{name}",
+                    fingerprint=name,
+                    inputs={},
+                    input_dirs={},
+                    policy_in=policy,
+                )
+            )
+            .stats
+            for name, policy in policies.items()
+        }
     finally:
         ray.shutdown()
 
@@ -265,17 +314,24 @@ def compare(pipeline: str, iterations: int | None, work: str) -> None:
     samples = int(sum(m["perf/num_samples"] for m in metrics))
     num_prompts = next((int(v) for k, v in results["initial"].items() if k.endswith("/num_prompts")), "?")
     key = next(k for k in results["initial"] if k.startswith("val-core/") and k.endswith("/reward/mean@1"))
-    sampled = next((k for k in results["initial"] if k.startswith("val-core/") and "/reward/mean@" in k
-                    and k != key), key)
-    print(f"# {n} iterations; samples trained on: batchrl {samples}, TRL {trl['samples']}; held-out {key} "
-          f"(greedy) and {sampled.rsplit('/', 1)[-1]} (sampled), {num_prompts} prompts")
+    sampled = next(
+        (k for k in results["initial"] if k.startswith("val-core/") and "/reward/mean@" in k and k != key), key
+    )
+    print(
+        f"# {n} iterations; samples trained on: batchrl {samples}, TRL {trl['samples']}; held-out {key} "
+        f"(greedy) and {sampled.rsplit('/', 1)[-1]} (sampled), {num_prompts} prompts"
+    )
     for name in ("initial", "batchrl", "trl"):
         print(f"RESULT {name}_heldout_greedy_accuracy={results[name][key]:.3f} (sampled {results[name][sampled]:.3f})")
-    parts = ", ".join(f"{stage} {steady([m[f'timing_s/{stage}'] for m in metrics]):.1f}"
-                      for stage in ("gen", "score", "adv", "update"))
+    parts = ", ".join(
+        f"{stage} {steady([m[f'timing_s/{stage}'] for m in metrics]):.1f}"
+        for stage in ("gen", "score", "adv", "update")
+    )
     print(f"RESULT batchrl_s_per_iteration={batchrl_step_s:.1f} ({parts}; wall {batchrl_wall:.0f} s for the run)")
-    print(f"RESULT trl_s_per_iteration={trl_step_s:.1f} (generate+score {trl_gen_s:.1f}, update "
-          f"{trl_step_s - trl_gen_s:.1f}; wall {trl['wall']:.0f} s for train())")
+    print(
+        f"RESULT trl_s_per_iteration={trl_step_s:.1f} (generate+score {trl_gen_s:.1f}, update "
+        f"{trl_step_s - trl_gen_s:.1f}; wall {trl['wall']:.0f} s for train())"
+    )
     print(f"RESULT trl_over_batchrl_time_per_iteration={trl_step_s / batchrl_step_s:.2f} (target > 1: batchrl faster)")
     print(f"RESULT trl_over_batchrl_wall={trl['wall'] / batchrl_wall:.2f} (whole runs, batchrl's startup included)")
     delta = 100 * (results["batchrl"][key] - results["trl"][key])

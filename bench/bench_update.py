@@ -28,13 +28,15 @@ import pyarrow.parquet as pq
 import torch
 
 from batchrl.config.models import UpdateConfig
-from batchrl_toy import build_toy_model
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.batching import padding_ratio, plan_micro_batches
 from batchrl.trainer.data import read_advantages, samples_from_table
+from batchrl_toy import build_toy_model
 
 
-def realistic_lengths(rng: np.random.Generator, num_samples: int, *, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def realistic_lengths(
+    rng: np.random.Generator, num_samples: int, *, scale: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
     """Prompt ~ N(180, 40) tokens; responses log-normal around 300 with a long tail to the 2048 cap."""
     prompts = rng.normal(180 * scale, 40 * scale, num_samples).clip(8, 512 * scale).astype(int)
     responses = np.exp(rng.normal(np.log(300 * scale), 0.7, num_samples)).clip(1, 2048 * scale).astype(int)
@@ -46,15 +48,22 @@ def write_batch(path: Path, *, vocab_size: int, num_prompts: int, samples_per_pr
     prompt_lengths, response_lengths = realistic_lengths(rng, num_prompts * samples_per_prompt, scale=scale)
     rows = []
     for i, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
-        rows.append({"prompt_id": f"p{i // samples_per_prompt:04d}", "sample_idx": i % samples_per_prompt,
-                     "prompt_token_ids": rng.integers(3, vocab_size, p).tolist(),
-                     "response_token_ids": rng.integers(3, vocab_size, r).tolist(),
-                     "response_logprobs": (-3 * rng.random(r)).tolist(), "advantage": float(rng.normal())})
+        rows.append(
+            {
+                "prompt_id": f"p{i // samples_per_prompt:04d}",
+                "sample_idx": i % samples_per_prompt,
+                "prompt_token_ids": rng.integers(3, vocab_size, p).tolist(),
+                "response_token_ids": rng.integers(3, vocab_size, r).tolist(),
+                "response_logprobs": (-3 * rng.random(r)).tolist(),
+                "advantage": float(rng.normal()),
+            }
+        )
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-def write_groups(path: Path, *, vocab_size: int, num_prompts: int, samples_per_prompt: int, prompt_mean: int,
-                 response_median: int) -> None:
+def write_groups(
+    path: Path, *, vocab_size: int, num_prompts: int, samples_per_prompt: int, prompt_mean: int, response_median: int
+) -> None:
     """GRPO-shaped batch: every sample of a group has the group's prompt; log-normal response lengths."""
     rng = np.random.default_rng(2)
     rows = []
@@ -62,28 +71,45 @@ def write_groups(path: Path, *, vocab_size: int, num_prompts: int, samples_per_p
         prompt = rng.integers(3, vocab_size, max(4, int(rng.normal(prompt_mean, prompt_mean / 5)))).tolist()
         for k in range(samples_per_prompt):
             length = int(np.clip(np.exp(rng.normal(np.log(response_median), 0.5)), 1, 8 * response_median))
-            rows.append({"prompt_id": f"p{p:04d}", "sample_idx": k, "prompt_token_ids": prompt,
-                         "response_token_ids": rng.integers(3, vocab_size, length).tolist(),
-                         "response_logprobs": (-3 * rng.random(length)).tolist(), "advantage": float(rng.normal())})
+            rows.append(
+                {
+                    "prompt_id": f"p{p:04d}",
+                    "sample_idx": k,
+                    "prompt_token_ids": prompt,
+                    "response_token_ids": rng.integers(3, vocab_size, length).tolist(),
+                    "response_logprobs": (-3 * rng.random(length)).tolist(),
+                    "advantage": float(rng.normal()),
+                }
+            )
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-def shared_prompt_speedup(spec: UpdateSpec, tmp: Path, *, vocab_size: int, name: str, prompt_mean: int,
-                          response_median: int, repeats: int) -> float:
+def shared_prompt_speedup(
+    spec: UpdateSpec, tmp: Path, *, vocab_size: int, name: str, prompt_mean: int, response_median: int, repeats: int
+) -> float:
     """Fastest step without share_prompt / with it, on a GRPO-shaped batch (32 prompts x 8 samples, 4 steps)."""
     advantages = tmp / f"groups-{name}.parquet"
-    write_groups(advantages, vocab_size=vocab_size, num_prompts=32, samples_per_prompt=8, prompt_mean=prompt_mean,
-                 response_median=response_median)
-    spec = dataclasses.replace(spec.with_update(ppo_epochs=1, ppo_mini_batch_size=8),
-                               advantages_files=[str(advantages)])
+    write_groups(
+        advantages,
+        vocab_size=vocab_size,
+        num_prompts=32,
+        samples_per_prompt=8,
+        prompt_mean=prompt_mean,
+        response_median=response_median,
+    )
+    spec = dataclasses.replace(
+        spec.with_update(ppo_epochs=1, ppo_mini_batch_size=8), advantages_files=[str(advantages)]
+    )
     best = {False: [], True: []}
     for _ in range(repeats):  # interleaved
         for share in (False, True):
             metrics = run_update(spec.with_update(share_prompt=share), timeout_s=1800)
             best[share].append((metrics["perf/step_time_min_s"], metrics["perf/real_tokens"]))
     (plain_s, plain_tokens), (shared_s, shared_tokens) = min(best[False]), min(best[True])
-    print(f"shared prompts, {name}: step {plain_s:.3f} s -> {shared_s:.3f} s, tokens computed per update "
-          f"{plain_tokens:.0f} -> {shared_tokens:.0f}")
+    print(
+        f"shared prompts, {name}: step {plain_s:.3f} s -> {shared_s:.3f} s, tokens computed per update "
+        f"{plain_tokens:.0f} -> {shared_tokens:.0f}"
+    )
     return plain_s / shared_s
 
 
@@ -139,54 +165,98 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
         policy = Path(tmp) / "policy"
-        build_toy_model(policy, hidden_size=256, intermediate_size=704, num_layers=4, num_attention_heads=4,
-                        num_key_value_heads=2, seed=0)
+        build_toy_model(
+            policy,
+            hidden_size=256,
+            intermediate_size=704,
+            num_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            seed=0,
+        )
         from transformers import AutoConfig
 
         vocab_size = AutoConfig.from_pretrained(str(policy)).vocab_size
         advantages = Path(tmp) / "advantages.parquet"
-        write_batch(advantages, vocab_size=vocab_size, num_prompts=args.prompts,
-                    samples_per_prompt=args.samples_per_prompt, scale=args.length_scale)
-        spec = UpdateSpec(policy_in=str(policy), policy_out=str(Path(tmp) / "out"), advantages_files=[str(advantages)],
-                          metrics_path=str(Path(tmp) / "metrics.json"),
-                          update=UpdateConfig(backend="gloo", lr=1e-5, ppo_epochs=args.steps,
-                                              max_tokens_per_micro_batch=args.max_tokens,
-                                              dual_clip_ratio=None))  # the bare loop's plain PPO loss
+        write_batch(
+            advantages,
+            vocab_size=vocab_size,
+            num_prompts=args.prompts,
+            samples_per_prompt=args.samples_per_prompt,
+            scale=args.length_scale,
+        )
+        spec = UpdateSpec(
+            policy_in=str(policy),
+            policy_out=str(Path(tmp) / "out"),
+            advantages_files=[str(advantages)],
+            metrics_path=str(Path(tmp) / "metrics.json"),
+            update=UpdateConfig(
+                backend="gloo",
+                lr=1e-5,
+                ppo_epochs=args.steps,
+                max_tokens_per_micro_batch=args.max_tokens,
+                dual_clip_ratio=None,
+            ),
+        )  # the bare loop's plain PPO loss
         trainer_runs, bare_runs = [], []
         for _ in range(args.repeats):  # interleaved, so a busy spell on a shared machine hits both
             trainer_runs.append(run_update(spec, timeout_s=1800))
-            bare_runs.append(bare_loop(str(policy), str(advantages), steps=args.steps, max_tokens=args.max_tokens,
-                                       lr=1e-5))
+            bare_runs.append(
+                bare_loop(str(policy), str(advantages), steps=args.steps, max_tokens=args.max_tokens, lr=1e-5)
+            )
     # Fastest step of each: on a shared machine the minimum is the least disturbed measurement.
     trainer_step_s = min(m["perf/step_time_min_s"] for m in trainer_runs)
     bare_step_s, tokens_per_step = min(bare_runs)
     trainer_tps, bare_tps = tokens_per_step / trainer_step_s, tokens_per_step / bare_step_s
-    print(f"update, {tokens_per_step} tokens per optimizer step: trainer {trainer_tps:.0f} tok/s ({trainer_step_s:.2f} s "
-          f"per step), bare torch loop {bare_tps:.0f} tok/s ({bare_step_s:.2f} s); trainer padding "
-          f"{trainer_runs[0]['perf/padding_ratio']:.3f}")
+    print(
+        f"update, {tokens_per_step} tokens per optimizer step: trainer {trainer_tps:.0f} tok/s ({trainer_step_s:.2f} s "
+        f"per step), bare torch loop {bare_tps:.0f} tok/s ({bare_step_s:.2f} s); trainer padding "
+        f"{trainer_runs[0]['perf/padding_ratio']:.3f}"
+    )
     print(f"RESULT update_tokens_per_s_vs_bare_loop={trainer_tps / bare_tps:.2f} (target >= 0.85)")
 
     lengths_N = np.add(*realistic_lengths(np.random.default_rng(1), 4096))
     budget_plan = plan_micro_batches(lengths_N, world_size=8, max_tokens=16384)
     table_order = [[list(range(s, s + 8)) for s in range(r * 512, (r + 1) * 512, 8)] for r in range(8)]
-    print(f"padding on 4096 GSM8K-like samples, 8 ranks: token budget 16384 {padding_ratio(budget_plan, lengths_N):.3f}, "
-          f"8 samples per micro-batch in table order {padding_ratio(table_order, lengths_N):.3f}")
+    print(
+        f"padding on 4096 GSM8K-like samples, 8 ranks: token budget 16384 {padding_ratio(budget_plan, lengths_N):.3f}, "
+        f"8 samples per micro-batch in table order {padding_ratio(table_order, lengths_N):.3f}"
+    )
     print(f"RESULT update_padded_over_real_tokens={padding_ratio(budget_plan, lengths_N):.3f} (target <= 1.1)")
 
     with tempfile.TemporaryDirectory(prefix="bench-update-shared-") as tmp:
         policy = Path(tmp) / "policy"
-        build_toy_model(policy, hidden_size=256, intermediate_size=704, num_layers=4, num_attention_heads=4,
-                        num_key_value_heads=2, seed=0)
+        build_toy_model(
+            policy,
+            hidden_size=256,
+            intermediate_size=704,
+            num_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            seed=0,
+        )
         from transformers import AutoConfig
 
         vocab_size = AutoConfig.from_pretrained(str(policy)).vocab_size
-        spec = UpdateSpec(policy_in=str(policy), policy_out=str(Path(tmp) / "out"), advantages_files=["unused"],
-                          metrics_path=str(Path(tmp) / "metrics.json"),
-                          update=UpdateConfig(backend="gloo", lr=1e-5, max_tokens_per_micro_batch=args.max_tokens,
-                                              old_logprobs="rollout"))
+        spec = UpdateSpec(
+            policy_in=str(policy),
+            policy_out=str(Path(tmp) / "out"),
+            advantages_files=["unused"],
+            metrics_path=str(Path(tmp) / "metrics.json"),
+            update=UpdateConfig(
+                backend="gloo", lr=1e-5, max_tokens_per_micro_batch=args.max_tokens, old_logprobs="rollout"
+            ),
+        )
         for name, prompt_mean, response_median in (("short_responses", 25, 5), ("gsm8k_like", 45, 75)):
-            speedup = shared_prompt_speedup(spec, Path(tmp), vocab_size=vocab_size, name=name, prompt_mean=prompt_mean,
-                                            response_median=response_median, repeats=args.repeats)
+            speedup = shared_prompt_speedup(
+                spec,
+                Path(tmp),
+                vocab_size=vocab_size,
+                name=name,
+                prompt_mean=prompt_mean,
+                response_median=response_median,
+                repeats=args.repeats,
+            )
             print(f"RESULT update_shared_prompt_speedup_{name}={speedup:.2f} (step time without / with share_prompt)")
 
 

@@ -55,8 +55,12 @@ def tiny_pipeline(*, model: str, prompts: str | Sequence[str], root: str) -> dic
         "name": "tiny",
         "run": {"root": str(root), "seed": 5, "iterations": 1},
         "model": {"path": str(model), "dtype": "float32"},
-        "data": {"train_files": [str(prompts)] if isinstance(prompts, (str, Path)) else [str(p) for p in prompts],
-                 "shard_size": 4, "max_prompt_tokens": 96, "max_prompts": 8},
+        "data": {
+            "train_files": [str(prompts)] if isinstance(prompts, (str, Path)) else [str(p) for p in prompts],
+            "shard_size": 4,
+            "max_prompt_tokens": 96,
+            "max_prompts": 8,
+        },
         "generate": {"engine": "hf", "num_samples_per_prompt": 2, "max_new_tokens": 8},
         "score": {"rewards": [{"reward": "custom_rewards:digit_count", "weight": 1.0}]},
         "update": {"num_processes": 1, "backend": "gloo", "lr": 1e-3, "micro_batch_size": 8},
@@ -96,8 +100,14 @@ def write_yaml(path: Path, raw: Mapping) -> Path:
     return path
 
 
-def write_pipeline(directory: Path, overrides: Mapping | None = None, *, model: str, prompts: str | Sequence[str],
-                   file_name: str = "pipeline.yaml") -> Path:
+def write_pipeline(
+    directory: Path,
+    overrides: Mapping | None = None,
+    *,
+    model: str,
+    prompts: str | Sequence[str],
+    file_name: str = "pipeline.yaml",
+) -> Path:
     """The tiny pipeline with ``overrides`` as ``directory``/``file_name``, its run root ``directory``/runs (the
     run directory is ``directory``/runs/<name>, name "tiny" unless overridden); returns the file's path."""
     base = tiny_pipeline(model=model, prompts=prompts, root=str(Path(directory) / "runs"))
@@ -119,13 +129,26 @@ def _command(args: Sequence, sets: Iterable[str]) -> list[str]:
     return [sys.executable, "-m", "batchrl.cli", *map(str, args), *(a for s in sets for a in ("--set", s))]
 
 
-def cli(*args: str | Path, sets: Iterable[str] = (), env: Mapping[str, str | None] | None = None,
-        path_first: Iterable[str | Path] = (), timeout: float | None = 900, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
+def cli(
+    *args: str | Path,
+    sets: Iterable[str] = (),
+    env: Mapping[str, str | None] | None = None,
+    path_first: Iterable[str | Path] = (),
+    timeout: float | None = 900,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+) -> subprocess.CompletedProcess:
     """`batchrl ARGS... [--set S]...` run from the repository root. Its stdout and stderr are captured as text
     unless ``stdout``/``stderr`` say otherwise (None: this process's own, as a benchmark shows a long run's log)."""
-    return subprocess.run(_command(args, sets), cwd=REPO, stdout=stdout, stderr=stderr, text=True, timeout=timeout,
-                          env=environment(env, path_first=path_first))
+    return subprocess.run(
+        _command(args, sets),
+        cwd=REPO,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        timeout=timeout,
+        env=environment(env, path_first=path_first),
+    )
 
 
 class CommandFailed(AssertionError):
@@ -136,18 +159,31 @@ def cli_ok(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
     """`cli`, asserting exit 0; a failure shows the command, its exit code and the end of what it printed."""
     result = cli(*args, **kwargs)
     if result.returncode != 0:
-        raise CommandFailed(f"batchrl {' '.join(result.args[3:])} exited {result.returncode}\n--- stdout\n"
-                            f"{(result.stdout or '')[-2000:]}\n--- stderr\n{(result.stderr or '')[-4000:]}")
+        raise CommandFailed(
+            f"batchrl {' '.join(result.args[3:])} exited {result.returncode}\n--- stdout\n"
+            f"{(result.stdout or '')[-2000:]}\n--- stderr\n{(result.stderr or '')[-4000:]}"
+        )
     return result
 
 
-def start_cli(*args: str | Path, log: Path, sets: Iterable[str] = (), env: Mapping[str, str | None] | None = None,
-              path_first: Iterable[str | Path] = ()) -> subprocess.Popen:
+def start_cli(
+    *args: str | Path,
+    log: Path,
+    sets: Iterable[str] = (),
+    env: Mapping[str, str | None] | None = None,
+    path_first: Iterable[str | Path] = (),
+) -> subprocess.Popen:
     """`batchrl ARGS...` started in its own session (process group = its pid, so that what a killed driver leaves
     behind can be found and stopped), stdout and stderr appended to ``log``."""
     with open(log, "ab") as out:
-        return subprocess.Popen(_command(args, sets), cwd=REPO, stdout=out, stderr=out, start_new_session=True,
-                                env=environment(env, path_first=path_first))
+        return subprocess.Popen(
+            _command(args, sets),
+            cwd=REPO,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env=environment(env, path_first=path_first),
+        )
 
 
 def free_port() -> int:
@@ -157,6 +193,7 @@ def free_port() -> int:
 
 
 # Reading what a run wrote, local or on object storage (a str URI or a Path).
+
 
 def read_bytes(uri: str | Path) -> bytes:
     from batchrl.storage import resolve

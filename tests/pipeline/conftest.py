@@ -37,8 +37,9 @@ def s3_endpoint():
         return
     port = free_port()
     moto_server = Path(sys.executable).with_name("moto_server")
-    server = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -58,8 +59,12 @@ def s3_endpoint():
 @pytest.fixture
 def s3_env(s3_endpoint, monkeypatch):
     """Environment for a process that talks to the test S3 (credentials are moto's dummies)."""
-    env = {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return env
@@ -151,8 +156,12 @@ def restartable_s3(s3_endpoint, monkeypatch):
     """A RestartableS3 (started) and the environment for processes that talk to it through the forwarder."""
     endpoint = RestartableS3(s3_endpoint)
     endpoint.start()
-    env = {"AWS_ENDPOINT_URL": endpoint.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": endpoint.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     yield endpoint, env

@@ -46,8 +46,9 @@ def test_a_file_without_a_prompt_column_exits_3_naming_the_file_and_column_and_w
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("content", [b"", b"prompt,ground_truth,data_source\n1+1?,2,arith\n"],
-                         ids=["zero_bytes", "csv_named_parquet"])
+@pytest.mark.parametrize(
+    "content", [b"", b"prompt,ground_truth,data_source\n1+1?,2,arith\n"], ids=["zero_bytes", "csv_named_parquet"]
+)
 def test_an_unreadable_input_file_exits_3_naming_it_and_writes_nothing(tmp_path, pipeline, content):
     (tmp_path / "bad.parquet").write_bytes(content)
     result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "bad.parquet")]}))
@@ -57,8 +58,13 @@ def test_an_unreadable_input_file_exits_3_naming_it_and_writes_nothing(tmp_path,
 
 
 def test_an_input_file_without_rows_exits_3_naming_it_and_writes_nothing(tmp_path, pipeline):
-    empty = pa.table({"prompt": pa.array([], pa.string()), "ground_truth": pa.array([], pa.string()),
-                      "data_source": pa.array([], pa.string())})
+    empty = pa.table(
+        {
+            "prompt": pa.array([], pa.string()),
+            "ground_truth": pa.array([], pa.string()),
+            "data_source": pa.array([], pa.string()),
+        }
+    )
     pq.write_table(empty, tmp_path / "empty.parquet")
     result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "empty.parquet")]}))
     assert_data_error(result, f"every input file is empty (0 rows): {tmp_path / 'empty.parquet'}")
@@ -77,9 +83,11 @@ def test_a_relative_model_path_that_does_not_exist_exits_2_without_retrying_the_
         s.bind(("127.0.0.1", 0))
         hub = f"http://127.0.0.1:{s.getsockname()[1]}"
     started = time.monotonic()
-    result = cli("run", pipeline(BAD | {"model.path": "nosuchdir/model"}),
-                 env={"HF_ENDPOINT": hub, "HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None,
-                      "HF_HOME": str(tmp_path / "hf")})
+    result = cli(
+        "run",
+        pipeline(BAD | {"model.path": "nosuchdir/model"}),
+        env={"HF_ENDPOINT": hub, "HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None, "HF_HOME": str(tmp_path / "hf")},
+    )
     assert_config_error(result, "model.path: 'nosuchdir/model' is not a local directory")
     assert time.monotonic() - started < 60  # it used to retry the hub for 65 s
     assert not (tmp_path / "runs").exists()
@@ -88,11 +96,22 @@ def test_a_relative_model_path_that_does_not_exist_exits_2_without_retrying_the_
 def test_an_s3_run_root_without_credentials_exits_2_naming_run_root_and_writes_nothing(tmp_path, pipeline, s3_bucket):
     empty = tmp_path / "empty_aws_file"
     empty.write_text("")
-    result = cli("run", pipeline(BAD | {"run.root": f"s3://{s3_bucket}/runs"}), env={
-        "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None,
-        "AWS_SHARED_CREDENTIALS_FILE": str(empty), "AWS_CONFIG_FILE": str(empty), "AWS_EC2_METADATA_DISABLED": "true"})
-    assert_config_error(result, f"run.root: s3://{s3_bucket}/runs is on S3, but no AWS credentials were found",
-                        "AWS_ACCESS_KEY_ID")
+    result = cli(
+        "run",
+        pipeline(BAD | {"run.root": f"s3://{s3_bucket}/runs"}),
+        env={
+            "AWS_ACCESS_KEY_ID": None,
+            "AWS_SECRET_ACCESS_KEY": None,
+            "AWS_SESSION_TOKEN": None,
+            "AWS_PROFILE": None,
+            "AWS_SHARED_CREDENTIALS_FILE": str(empty),
+            "AWS_CONFIG_FILE": str(empty),
+            "AWS_EC2_METADATA_DISABLED": "true",
+        },
+    )
+    assert_config_error(
+        result, f"run.root: s3://{s3_bucket}/runs is on S3, but no AWS credentials were found", "AWS_ACCESS_KEY_ID"
+    )
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     listed = boto3.client("s3", region_name="us-east-1").list_objects_v2(Bucket=s3_bucket)
     assert listed.get("KeyCount", 0) == 0
@@ -111,8 +130,10 @@ def test_an_unknown_reward_exits_2_before_anything_is_written(tmp_path, pipeline
 
 
 def test_a_data_source_without_a_reward_stops_the_run_before_generation(tmp_path, pipeline):
-    pq.write_table(pa.table({"prompt": ["What is 1 + 1?"], "ground_truth": ["2"], "data_source": ["mystery"]}),
-                   tmp_path / "m.parquet")
+    pq.write_table(
+        pa.table({"prompt": ["What is 1 + 1?"], "ground_truth": ["2"], "data_source": ["mystery"]}),
+        tmp_path / "m.parquet",
+    )
     result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "m.parquet")]}))
     assert_config_error(result, "mystery", "reward_by_data_source")
     run_dir = tmp_path / "runs" / "bad"

@@ -17,19 +17,29 @@ GREEDY = "val-core/arith/reward/mean@1"
 
 def test_a_run_evaluates_before_and_after_training_and_reevaluates_without_retraining(tmp_path, pipeline):
     build_arith_prompts(str(tmp_path / "eval"), num_prompts=6, num_shards=1, seed=5, split="eval")
-    path = pipeline({
-        "name": "ev", "run": {"seed": 2, "iterations": 2}, "generate.max_new_tokens": 6, "score": DEFAULT,
-        "evaluate": {"files": [str(tmp_path / "eval")], "num_samples": 4}, "tracking": {"backends": ["jsonl"]}})
+    path = pipeline(
+        {
+            "name": "ev",
+            "run": {"seed": 2, "iterations": 2},
+            "generate.max_new_tokens": 6,
+            "score": DEFAULT,
+            "evaluate": {"files": [str(tmp_path / "eval")], "num_samples": 4},
+            "tracking": {"backends": ["jsonl"]},
+        }
+    )
     first = cli_ok("run", path)
     run = tmp_path / "runs" / "ev"
 
     initial, last = read_manifest(run / "evaluation"), read_manifest(run / "iter_0001" / "evaluation")
-    table = read_rows(run / "iter_0001" / "evaluation")  # held-out prompts are sharded by data.shard_size like training ones
+    table = read_rows(
+        run / "iter_0001" / "evaluation"
+    )  # held-out prompts are sharded by data.shard_size like training ones
     assert len(last["parts"]) == 2 and len(table) == 6 and all(len(row["sample_scores"]) == 4 for row in table)
     assert all(row["policy"] == str(run / "iter_0001" / "policy") for row in table)  # the trained policy
     assert last["stats"][GREEDY] == pytest.approx(sum(row["greedy_score"] for row in table) / 6)
-    assert {"val-core/arith/reward/mean@4", "val-core/arith/reward/pass@4", "val-core/arith/reward/maj@4"} \
-        <= set(last["stats"])
+    assert {"val-core/arith/reward/mean@4", "val-core/arith/reward/pass@4", "val-core/arith/reward/maj@4"} <= set(
+        last["stats"]
+    )
     lines = read_metrics(run)
     assert [m["iteration"] for m in lines] == [0, 1]
     assert lines[1][GREEDY] == last["stats"][GREEDY] and "timing_s/eval" in lines[1]

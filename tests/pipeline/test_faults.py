@@ -32,8 +32,12 @@ logger = logging.getLogger(__name__)
 NUM_PROMPTS, SAMPLES, ITERATIONS = 8, 2, 2
 # The tiny pipeline (8 prompts, 2 samples of 8 tokens, a digit-count reward that varies within groups, so
 # advantages are non-zero and the update moves the policy), for 2 iterations.
-FAULTS = {"name": "faults", "run.iterations": ITERATIONS, "data.max_prompts": NUM_PROMPTS,
-          "generate": {"num_samples_per_prompt": SAMPLES, "temperature": 1.0}}
+FAULTS = {
+    "name": "faults",
+    "run.iterations": ITERATIONS,
+    "data.max_prompts": NUM_PROMPTS,
+    "generate": {"num_samples_per_prompt": SAMPLES, "temperature": 1.0},
+}
 KILL_MARKER_ENV = "BATCHRL_TEST_KILL_MARKER"
 
 
@@ -141,10 +145,13 @@ def test_a_driver_killed_at_random_moments_resumes_to_exactly_the_rows_of_an_uni
             history.append(f"SIGKILL ({kind}) at {what}\n{status.stdout if status else 'not started'}")
             if status is not None:
                 # a stale lock, reported as such (or none, if the kill came after the run released it)
-                assert ("lock: held by pid" in status.stdout and "dead" in status.stdout) or \
-                    "lock: free" in status.stdout, status.stdout
+                assert (
+                    "lock: held by pid" in status.stdout and "dead" in status.stdout
+                ) or "lock: free" in status.stdout, status.stdout
             if kind == "partial":  # some or all shards written, no manifest yet
-                assert re.search(r"partial  resume \(partial\)\s+[12] of 2 shards written", status.stdout), status.stdout
+                assert re.search(r"partial  resume \(partial\)\s+[12] of 2 shards written", status.stdout), (
+                    status.stdout
+                )
         final = cli("run", path, "--run-id", "killed")
         assert final.returncode == 0, final.stderr[-4000:] + "\n".join(history)
     finally:
@@ -172,8 +179,12 @@ def test_a_truncated_part_is_redone_alone_and_stray_files_are_removed_or_ignored
     result = cli_ok("run", path, "--run-id", "damaged")
     assert "redoing damaged part-00001.parquet" in result.stderr
     assert "iter 0 score: complete" in result.stderr  # the redone part is identical: nothing after it is redone
-    assert sorted(p.name for p in rollouts.iterdir()) == ["_MANIFEST.json", "_STARTED.json", "part-00000.parquet",
-                                                          "part-00001.parquet"]
+    assert sorted(p.name for p in rollouts.iterdir()) == [
+        "_MANIFEST.json",
+        "_STARTED.json",
+        "part-00000.parquet",
+        "part-00001.parquet",
+    ]
     assert (rollouts / "part-00000.parquet").stat().st_mtime_ns == untouched["part-00000.parquet"]
     assert (scores / "part-00042.parquet").exists()  # readers go by the manifest; a complete table is not touched
     assert_same_rows(expected_run, run)
@@ -184,8 +195,9 @@ def test_a_scoring_worker_killed_mid_stage_is_restarted_by_ray_and_the_stage_com
     run = copy_run(expected_run, "actor-killed")
     marker = tmp_path / "killed-once"
     rewards = "score.rewards=[{reward: 'test_faults:digit_count_killing_its_worker_once', weight: 1.0}]"
-    result = cli_ok("run", path, "--run-id", "actor-killed", sets=[rewards, "run.iterations=1"],
-                    env={KILL_MARKER_ENV: str(marker)})
+    result = cli_ok(
+        "run", path, "--run-id", "actor-killed", sets=[rewards, "run.iterations=1"], env={KILL_MARKER_ENV: str(marker)}
+    )
     assert marker.exists(), "the reward never killed its worker"
     assert "iter 0 generate: complete" in result.stderr
     scores = read_table(run / "iter_0000" / "scores").to_pylist()
@@ -205,10 +217,12 @@ def wait_for(path_exists, *, timeout: float) -> None:
 
 
 def test_object_storage_going_away_mid_stage_fails_cleanly_and_a_resume_completes_untorn(
-        tmp_path, pipeline, restartable_s3, s3_bucket, s3_prompts):
+    tmp_path, pipeline, restartable_s3, s3_bucket, s3_prompts
+):
     s3, env = restartable_s3
-    path = pipeline(FAULTS | {"run.iterations": 1, "run.root": f"s3://{s3_bucket}/runs",
-                              "data.train_files": [s3_prompts]})
+    path = pipeline(
+        FAULTS | {"run.iterations": 1, "run.root": f"s3://{s3_bucket}/runs", "data.train_files": [s3_prompts]}
+    )
     run = f"{s3_bucket}/runs/faults"
     backend = {**env, "AWS_ENDPOINT_URL": s3.backend}  # the test looks at the bucket behind the outage
 
@@ -237,15 +251,22 @@ def test_object_storage_going_away_mid_stage_fails_cleanly_and_a_resume_complete
         for part in manifest["parts"]:  # no torn table: every listed part is there, whole
             data = backend_fs.cat_file(f"{run}/{table}/{part['name']}")
             assert hashlib.sha256(data).hexdigest() == part["sha256"], f"{table}/{part['name']}"
-    assert sum(p["rows"] for p in json.loads(backend_fs.cat_file(f"{run}/iter_0000/advantages/_MANIFEST.json"))[
-        "parts"]) == NUM_PROMPTS * SAMPLES
+    assert (
+        sum(p["rows"] for p in json.loads(backend_fs.cat_file(f"{run}/iter_0000/advantages/_MANIFEST.json"))["parts"])
+        == NUM_PROMPTS * SAMPLES
+    )
 
 
 def _s3fs(env: dict):
     import s3fs
 
-    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"]}, key="testing",
-                             secret="testing", skip_instance_cache=True, use_listings_cache=False)
+    return s3fs.S3FileSystem(
+        client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"]},
+        key="testing",
+        secret="testing",
+        skip_instance_cache=True,
+        use_listings_cache=False,
+    )
 
 
 def _outage_when(s3, backend_fs, marker: str, seconds: float) -> None:
@@ -263,8 +284,11 @@ STAGE_DIRS = [f"iter_{i:04d}/{t}" for i in range(ITERATIONS) for t in ("rollouts
 
 def started_at(run: Path) -> dict[str, float]:
     """When each committed stage of ``run`` started, by table directory: a redone stage starts later."""
-    return {rel: read_json(run / rel / "_MANIFEST.json")["started_at"] for rel in STAGE_DIRS
-            if (run / rel / "_MANIFEST.json").exists()}
+    return {
+        rel: read_json(run / rel / "_MANIFEST.json")["started_at"]
+        for rel in STAGE_DIRS
+        if (run / rel / "_MANIFEST.json").exists()
+    }
 
 
 def test_a_policy_redone_into_the_same_weights_keeps_every_stage_made_from_it(reference):
@@ -278,8 +302,7 @@ def test_a_policy_redone_into_the_same_weights_keeps_every_stage_made_from_it(re
     assert_same_rows(expected_run, run)  # a deterministic update reproduces its weights: iteration 1 is still theirs
 
 
-def test_a_foreign_parquet_file_under_a_part_name_of_an_unfinished_stage_is_redone_not_taken_for_its_output(
-        reference):
+def test_a_foreign_parquet_file_under_a_part_name_of_an_unfinished_stage_is_redone_not_taken_for_its_output(reference):
     path, expected_run = reference
     run = copy_run(expected_run, "poisoned")
     scores = run / "iter_0001" / "scores"
@@ -291,8 +314,7 @@ def test_a_foreign_parquet_file_under_a_part_name_of_an_unfinished_stage_is_redo
     assert_same_rows(expected_run, run)
 
 
-def test_an_update_whose_optimizer_state_is_gone_stops_with_exit_3_and_the_redo_it_names_reproduces_the_run(
-        reference):
+def test_an_update_whose_optimizer_state_is_gone_stops_with_exit_3_and_the_redo_it_names_reproduces_the_run(reference):
     path, expected_run = reference
     run = copy_run(expected_run, "state-gone")
     shutil.rmtree(run / "iter_0000" / "policy" / "_trainer_state")  # as keep_last_k_optimizer_states prunes it
@@ -307,24 +329,32 @@ def test_an_update_whose_optimizer_state_is_gone_stops_with_exit_3_and_the_redo_
     cli_ok("run", path, "--run-id", "state-gone", *command.split())
     after = started_at(run)
     assert [rel for rel in STAGE_DIRS if after[rel] == before.get(rel)] == [
-        "iter_0000/rollouts", "iter_0000/scores", "iter_0000/advantages"]
+        "iter_0000/rollouts",
+        "iter_0000/scores",
+        "iter_0000/advantages",
+    ]
     assert_same_rows(expected_run, run)  # the optimizer state restored exactly: the same weights as before
 
 
 def test_stages_made_from_a_table_that_was_redone_differently_are_redone_even_without_its_old_manifest(
-        reference, tmp_path):
+    reference, tmp_path
+):
     path, expected_run = reference
     run = copy_run(expected_run, "scores-redone")
     changed_reward = tmp_path / "changed_reward"  # the reward's code changed: its fingerprint cannot tell
     changed_reward.mkdir()
     (changed_reward / "custom_rewards.py").write_text(
-        "def digit_count(response, ground_truth, **row):\n    return float(len(response))\n")
+        "def digit_count(response, ground_truth, **row):\n    return float(len(response))\n"
+    )
     before = started_at(run)
     shutil.rmtree(run / "iter_0001" / "scores")
     cli_ok("run", path, "--run-id", "scores-redone", path_first=[changed_reward])  # shadows tests/stages' module
     after = started_at(run)
     assert [rel for rel in STAGE_DIRS if after[rel] != before[rel]] == [
-        "iter_0001/scores", "iter_0001/advantages", "iter_0001/policy"]
+        "iter_0001/scores",
+        "iter_0001/advantages",
+        "iter_0001/policy",
+    ]
     from batchrl.storage.manifest import Manifest, content_digest
 
     scores = Manifest.from_json((run / "iter_0001" / "scores" / "_MANIFEST.json").read_text())
@@ -345,7 +375,8 @@ class CreatesAFileWhenUnpickled:
 
 
 def test_an_optimizer_state_file_changed_after_it_was_written_is_never_unpickled_and_the_run_exits_3(
-        reference, tmp_path):
+    reference, tmp_path
+):
     path, expected_run = reference
     run = copy_run(expected_run, "state-tampered")
     marker = tmp_path / "code-ran"
@@ -358,8 +389,9 @@ def test_an_optimizer_state_file_changed_after_it_was_written_is_never_unpickled
     result = cli("run", path, "--run-id", "state-tampered")
     assert not marker.exists(), "the planted optimizer state was unpickled"
     assert result.returncode == 3, result.stderr[-4000:]
-    assert f"data error: {metadata}: sha256 " in result.stderr and "did not load it" in result.stderr, \
-        result.stderr[-4000:]
+    assert f"data error: {metadata}: sha256 " in result.stderr and "did not load it" in result.stderr, result.stderr[
+        -4000:
+    ]
 
 
 UPDATE_RANK = "batchrl.trainer.worker"
@@ -411,7 +443,8 @@ def stopped_with_sigterm(path: Path, run: Path, moment, *, log: Path, again_afte
 
 
 def test_sigterm_during_a_ray_stage_and_during_the_update_exits_4_and_the_resumed_run_equals_an_uninterrupted_one(
-        reference, tmp_path):
+    reference, tmp_path
+):
     path, expected_run = reference
     run = expected_run.parent / "sigterm"
     rollouts = run / "iter_0000" / "rollouts"

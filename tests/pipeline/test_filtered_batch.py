@@ -30,9 +30,16 @@ def digests(directory: Path) -> dict[str, str]:
 
 
 def test_a_fully_filtered_batch_carries_the_policy_and_optimizer_state_forward(tmp_path, pipeline, toy_model_dir):
-    path = pipeline({"name": "filtered", "run.seed": 1, "data.max_prompts": 4, "generate.max_new_tokens": 4,
-                     "score.rewards": [{"reward": "test_filtered_batch:equal_once_marked", "weight": 1.0}],
-                     "advantage": {"filter_groups": True}})
+    path = pipeline(
+        {
+            "name": "filtered",
+            "run.seed": 1,
+            "data.max_prompts": 4,
+            "generate.max_new_tokens": 4,
+            "score.rewards": [{"reward": "test_filtered_batch:equal_once_marked", "weight": 1.0}],
+            "advantage": {"filter_groups": True},
+        }
+    )
     marker = tmp_path / "equal-rewards"
     run = tmp_path / "runs" / "filtered"
 

@@ -25,10 +25,15 @@ GREEDY = "val-core/arith/reward/mean@1"
 
 def overrides(tmp_path: Path) -> list[str]:
     toy = tmp_path / "toy"
-    return [f"run.root={tmp_path / 'runs'}", f"setup.toy_assets.arguments.model_dir={toy / 'model'}",
-            f"setup.toy_assets.arguments.data_dir={toy / 'prompts'}",
-            f"setup.toy_assets.arguments.eval_dir={toy / 'eval'}",
-            f"model.path={toy / 'model'}", f"data.train_files=[{toy / 'prompts'}]", f"evaluate.files=[{toy / 'eval'}]"]
+    return [
+        f"run.root={tmp_path / 'runs'}",
+        f"setup.toy_assets.arguments.model_dir={toy / 'model'}",
+        f"setup.toy_assets.arguments.data_dir={toy / 'prompts'}",
+        f"setup.toy_assets.arguments.eval_dir={toy / 'eval'}",
+        f"model.path={toy / 'model'}",
+        f"data.train_files=[{toy / 'prompts'}]",
+        f"evaluate.files=[{toy / 'eval'}]",
+    ]
 
 
 def test_the_quickstart_raises_held_out_accuracy_by_25_points(tmp_path):
@@ -57,7 +62,10 @@ def test_the_quickstart_raises_held_out_accuracy_by_25_points(tmp_path):
 def assert_quiet(done: subprocess.CompletedProcess) -> None:
     """Without --verbose, stderr holds batchrl's own log lines only (no engine, Ray, c10 or transformers chatter,
     no progress bar: stderr is not a terminal here), and stdout the summary without any library's warning."""
-    foreign = [line for line in done.stderr.splitlines()
-               if line.strip() and not re.match(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) batchrl", line)]
+    foreign = [
+        line
+        for line in done.stderr.splitlines()
+        if line.strip() and not re.match(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) batchrl", line)
+    ]
     assert foreign == [], "\n".join(foreign[:20])
     assert "WARNING" not in done.stdout and "Failed to load weights" not in done.stdout, done.stdout[:3000]

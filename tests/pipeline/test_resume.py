@@ -21,8 +21,9 @@ DOUBLED_REWARD = "score.rewards=[{reward: 'custom_rewards:digit_count', weight: 
 
 def files_state(table_dir: Path) -> dict[str, tuple[int, str]]:
     """name -> (mtime_ns, sha256) of every file: equal before and after means not rewritten."""
-    return {p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(table_dir.iterdir())}
+    return {
+        p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) for p in sorted(table_dir.iterdir())
+    }
 
 
 def plan_lines(result: subprocess.CompletedProcess) -> dict[str, str]:
@@ -70,7 +71,8 @@ def write_prompts(source: str, target: Path, rows_slice: slice) -> list[str]:
 
 
 def test_nightly_runs_warm_start_from_the_last_policy_and_ingest_only_files_not_seen_before(
-        tmp_path, pipeline, toy_prompts_dir):
+    tmp_path, pipeline, toy_prompts_dir
+):
     incoming = tmp_path / "incoming"
     source = str(sorted(Path(toy_prompts_dir).glob("*.parquet"))[0])
     write_prompts(source, incoming / "day1.parquet", slice(0, 4))

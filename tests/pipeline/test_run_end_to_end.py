@@ -3,8 +3,8 @@ GRPO advantages and a 2-process FSDP2 update on gloo, locally and over s3:// on 
 
 from __future__ import annotations
 
-import pytest
 import numpy as np
+import pytest
 from harness import cli_ok, num_rows, read_json, read_manifest, read_metrics, read_rows, read_table
 
 from batchrl.engines import vllm_available
@@ -13,9 +13,15 @@ pytestmark = pytest.mark.slow
 
 NUM_PROMPTS, SAMPLES, ITERATIONS = 8, 4, 2
 E2E = {
-    "name": "e2e", "run": {"seed": 3, "iterations": ITERATIONS}, "data.max_prompts": NUM_PROMPTS,
-    "generate": {"engine": "vllm" if vllm_available() else "hf", "num_samples_per_prompt": SAMPLES,
-                 "max_new_tokens": 12, "temperature": 1.0},
+    "name": "e2e",
+    "run": {"seed": 3, "iterations": ITERATIONS},
+    "data.max_prompts": NUM_PROMPTS,
+    "generate": {
+        "engine": "vllm" if vllm_available() else "hf",
+        "num_samples_per_prompt": SAMPLES,
+        "max_new_tokens": 12,
+        "temperature": 1.0,
+    },
     # A random model never answers correctly; a reward that varies within groups makes advantages
     # non-zero, so the update must move the policy. It is a user module:function reward, run in Ray workers.
     "score.rewards": [{"reward": "custom_rewards:digit_count", "weight": 1.0}, {"reward": "gsm8k", "weight": 1.0}],
@@ -34,14 +40,20 @@ def check_run(run_dir: str) -> None:
         assert {p["name"] for p in policy["parts"]} >= {"config.json", "model.safetensors", "tokenizer.json"}
         table = read_table(f"{it}/advantages")
         assert set(table.column("sample_idx").to_pylist()) == set(range(SAMPLES))
-        assert all(len(t) == len(lp) for t, lp in zip(table.column("response_token_ids").to_pylist(),
-                                                        table.column("response_logprobs").to_pylist()))
+        assert all(
+            len(t) == len(lp)
+            for t, lp in zip(
+                table.column("response_token_ids").to_pylist(), table.column("response_logprobs").to_pylist()
+            )
+        )
         group = read_rows(f"{it}/rollouts")[0]
         assert group["policy_version"] == iteration and len(group["response_texts"]) == SAMPLES
     lines = read_metrics(run_dir)
     assert [m["iteration"] for m in lines] == list(range(ITERATIONS))
-    assert all("critic/score/mean" in m and "actor/pg_loss" in m and "timing_s/gen" in m and "perf/throughput" in m
-               for m in lines)
+    assert all(
+        "critic/score/mean" in m and "actor/pg_loss" in m and "timing_s/gen" in m and "perf/throughput" in m
+        for m in lines
+    )
 
 
 def load_weights(local_dir: str):
@@ -71,11 +83,18 @@ def test_local_run_writes_every_stage_and_a_new_policy_per_iteration(tmp_path, p
 
 
 def test_run_over_s3_reads_prompts_from_and_writes_the_run_to_object_storage(
-        tmp_path, pipeline, s3_env, s3_bucket, s3_prompts):
+    tmp_path, pipeline, s3_env, s3_bucket, s3_prompts
+):
     # Also the REINFORCE++ recipe with KL folded into the reward: the reference model scores the rollouts in
     # the advantage stage's Ray actors (2 shards) and in the driver's first pass over the batch moments.
-    path = pipeline(E2E | {"data.train_files": [s3_prompts], "run.root": f"s3://{s3_bucket}/runs",
-                           "advantage": {"estimator": "reinforce_pp_baseline", "kl_in_reward_coef": 0.05}})
+    path = pipeline(
+        E2E
+        | {
+            "data.train_files": [s3_prompts],
+            "run.root": f"s3://{s3_bucket}/runs",
+            "advantage": {"estimator": "reinforce_pp_baseline", "kl_in_reward_coef": 0.05},
+        }
+    )
     cli_ok("run", path, env=s3_env)
     run_dir = f"s3://{s3_bucket}/runs/e2e"
     check_run(run_dir)

@@ -32,10 +32,22 @@ def ray_cluster(s3_env) -> dict[str, str]:
     ray_cli = Path(sys.executable).with_name("ray")
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
     head = subprocess.Popen(
-        [str(ray_cli), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=4",
-         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
-        env={**os.environ, **s3_env, **auth, "PYTHONPATH": pythonpath()}, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            str(ray_cli),
+            "start",
+            "--head",
+            "--block",
+            f"--port={free_port()}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        env={**os.environ, **s3_env, **auth, "PYTHONPATH": pythonpath()},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     address_file = Path(temp_dir) / "ray_current_cluster"
     deadline = time.monotonic() + 60
     while not address_file.exists():
@@ -64,9 +76,11 @@ def _stop(head: subprocess.Popen) -> None:
 
 
 def test_run_on_a_ray_cluster_updates_with_ray_actors_that_write_the_policy_to_object_storage(
-        pipeline, s3_env, s3_bucket, s3_prompts, ray_cluster):
-    path = pipeline(E2E | {"data.train_files": [s3_prompts], "run.root": f"s3://{s3_bucket}/runs",
-                           "generate.engine": "hf"})  # the transformers engine: quicker to start than vLLM
+    pipeline, s3_env, s3_bucket, s3_prompts, ray_cluster
+):
+    path = pipeline(
+        E2E | {"data.train_files": [s3_prompts], "run.root": f"s3://{s3_bucket}/runs", "generate.engine": "hf"}
+    )  # the transformers engine: quicker to start than vLLM
 
     result = cli_ok("run", path, env={**s3_env, **ray_cluster})
     run_dir = f"s3://{s3_bucket}/runs/e2e"

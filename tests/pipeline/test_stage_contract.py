@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from harness import merged, read_metrics, tiny_pipeline
 
 from batchrl.api import Runner, build_plan, check_from_stage
 from batchrl.config import PipelineConfig
@@ -54,33 +55,47 @@ def with_sample_count():
 
 
 def config(root: Path, toy_model_dir: str, toy_prompts_dir: str) -> PipelineConfig:
-    return PipelineConfig.model_validate({
-        "name": "contract", "run": {"root": str(root), "iterations": 2, "seed": 1},
-        "model": {"path": toy_model_dir},
-        "data": {"train_files": [toy_prompts_dir], "max_prompts": 4, "shard_size": 4},
-        "generate": {"engine": "hf", "num_samples_per_prompt": 2, "max_new_tokens": 4},
-        "score": {"rewards": [{"reward": "gsm8k"}]},
-        "ray": {"num_cpus": 2}, "tracking": {"progress_bars": False},
-    })
+    """The tests' tiny pipeline, run in this process (the throwaway stage is registered here only): 2 iterations of
+    4 prompts, with a built-in reward (Ray workers started from pytest do not see the test modules)."""
+    base = tiny_pipeline(model=toy_model_dir, prompts=toy_prompts_dir, root=str(root))
+    overrides = {
+        "name": "contract",
+        "run.iterations": 2,
+        "data.max_prompts": 4,
+        "generate.max_new_tokens": 4,
+        "score.rewards": [{"reward": "gsm8k"}],
+        "tracking": {"progress_bars": False},
+    }
+    return PipelineConfig.model_validate(merged(base, overrides))
 
 
 def test_a_registered_throwaway_stage_runs_every_iteration_and_resumes_like_a_built_in_one(
-        with_sample_count, tmp_path, toy_model_dir, toy_prompts_dir):
+    with_sample_count, tmp_path, toy_model_dir, toy_prompts_dir
+):
     cfg = config(tmp_path, toy_model_dir, toy_prompts_dir)
     assert list(STAGES)[-1] == "sample_count"
-    assert [s.label for s in build_plan(cfg, check_storage=False) if s.name == "sample_count"] == [
-        "iter 0 sample_count", "iter 1 sample_count"]
+    planned = [s.label for s in build_plan(cfg, check_storage=False)]
+    assert [label for label in planned if "sample_count" in label] == ["iter 0 sample_count", "iter 1 sample_count"]
+    # after the stage whose table it reads; among stages free to run, those registered first (the built-ins) go first
+    assert planned[1:6] == [
+        "iter 0 generate",
+        "iter 0 score",
+        "iter 0 advantage",
+        "iter 0 update",
+        "iter 0 sample_count",
+    ]
 
     summary = Runner(cfg).run()
     assert [label for label in summary.ran if "sample_count" in label] == ["iter 0 sample_count", "iter 1 sample_count"]
     assert SampleCount.closed == 1
     run_dir = Path(summary.run_dir)
-    for iteration, metrics in enumerate(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()):
+    for iteration, metrics in enumerate(read_metrics(run_dir)):
         written = json.loads((run_dir / f"iter_{iteration:04d}" / "sample_count" / "count.json").read_text())
         assert written == {"samples": 4 * 2} and metrics["count/samples"] == 8
         assert metrics["timing_s/count"] >= 0 and "count/seconds_share" in metrics
-        assert metrics["timing_s/step"] == pytest.approx(sum(metrics[f"timing_s/{t}"] for t in ("gen", "score", "adv", "update")),
-                                                         abs=0.01)  # its time is not a training step's
+        assert metrics["timing_s/step"] == pytest.approx(
+            sum(metrics[f"timing_s/{t}"] for t in ("gen", "score", "adv", "update")), abs=0.01
+        )  # its time is not a training step's
 
     again = Runner(cfg).run()
     assert again.ran == [] and "iter 1 sample_count" in again.skipped
@@ -90,12 +105,16 @@ def test_a_registered_throwaway_stage_runs_every_iteration_and_resumes_like_a_bu
 
 
 def test_an_actor_that_asks_for_more_than_the_embedded_ray_has_is_a_config_error_before_any_stage_runs(
-        tmp_path, toy_model_dir, toy_prompts_dir):
+    tmp_path, toy_model_dir, toy_prompts_dir
+):
     from batchrl.config import ConfigError
 
     cfg = config(tmp_path, toy_model_dir, toy_prompts_dir)
     cfg = cfg.model_copy(update={"generate": cfg.generate.model_copy(update={"gpus_per_actor": 1.0})})
-    with pytest.raises(ConfigError, match=r"generate\.gpus_per_actor=1: one generate actor asks for 1 GPU, but the "
-                                          r"Ray cluster has 0 in all"):
+    with pytest.raises(
+        ConfigError,
+        match=r"generate\.gpus_per_actor=1: one generate actor asks for 1 GPU, but the "
+        r"Ray cluster has 0 in all",
+    ):
         Runner(cfg).run()
     assert not (tmp_path / "contract").exists() or not any((tmp_path / "contract").rglob("_MANIFEST.json"))

@@ -75,8 +75,11 @@ def test_invalid_yaml_reports_the_line(tmp_path):
 def test_invalid_yaml_names_the_line_an_unclosed_bracket_or_quote_opens_on(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: t\nmodel:\n  path: m\ndata: {train_files: [a, b\ngenerate:\n  temperature: 1\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml line 4: not valid YAML \(while parsing a flow sequence started "
-                                          r"on this line: .* on line 5\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"bad\.yaml line 4: not valid YAML \(while parsing a flow sequence started "
+        r"on this line: .* on line 5\)",
+    ):
         load_pipeline(path)
     path.write_text("name: t\nmodel:\n  path: 'm\ndata: {}\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml line 3: not valid YAML \(while scanning a quoted scalar"):
@@ -91,10 +94,13 @@ def test_a_bad_set_key_is_blamed_on_the_set_override_not_the_pipeline_file(tmp_p
     with pytest.raises(ConfigError) as caught:
         load_pipeline(path, overrides=["generate.temprature=0.7", "run.iterations=0"])
     lines = str(caught.value).splitlines()
-    assert sorted(lines) == sorted([
-        "--set generate.temprature=0.7: unknown field 'generate.temprature': remove it or check its spelling; did you "
-        "mean 'temperature'? (every field: docs/CONFIG.md)",
-        "--set run.iterations=0: run.iterations: Input should be greater than or equal to 1 (got 0)"])
+    assert sorted(lines) == sorted(
+        [
+            "--set generate.temprature=0.7: unknown field 'generate.temprature': remove it or check its spelling; "
+            "did you mean 'temperature'? (every field: docs/CONFIG.md)",
+            "--set run.iterations=0: run.iterations: Input should be greater than or equal to 1 (got 0)",
+        ]
+    )
     with pytest.raises(ConfigError, match=rf"^{path} \(with --set update.share_prompt=true\): update: "):
         load_pipeline(path, overrides=["update.share_prompt=true"])  # a section's rule, broken by an override
     with pytest.raises(ConfigError, match=rf"^{path}: unknown field 'generate.temprature'"):
@@ -102,8 +108,9 @@ def test_a_bad_set_key_is_blamed_on_the_set_override_not_the_pipeline_file(tmp_p
 
 
 def test_set_overrides_win_over_the_file_and_parse_yaml_scalars(tmp_path):
-    cfg = load_pipeline(write(tmp_path, MINIMAL), overrides=["generate.temperature=0.25", "run.iterations=3",
-                                                               "generate.stop=['</s>']"])
+    cfg = load_pipeline(
+        write(tmp_path, MINIMAL), overrides=["generate.temperature=0.25", "run.iterations=3", "generate.stop=['</s>']"]
+    )
     assert cfg.generate.temperature == 0.25
     assert cfg.run.iterations == 3
     assert cfg.generate.stop == ["</s>"]
@@ -117,7 +124,8 @@ def test_malformed_set_override_is_a_config_error(tmp_path):
 def test_profiles_merge_under_the_pipeline_file(tmp_path):
     (tmp_path / "conf" / "engine").mkdir(parents=True)
     (tmp_path / "conf" / "engine" / "x.yaml").write_text(
-        yaml.safe_dump({"generate": {"engine": "hf", "temperature": 0.1, "max_new_tokens": 7}}))
+        yaml.safe_dump({"generate": {"engine": "hf", "temperature": 0.1, "max_new_tokens": 7}})
+    )
     (tmp_path / "pipelines").mkdir()
     raw = dict(MINIMAL, profiles=["engine/x"], generate={"temperature": 0.9})
     cfg = load_pipeline(write(tmp_path / "pipelines", raw))

@@ -12,7 +12,8 @@ def test_the_committed_config_reference_is_what_the_models_render():
     committed = (REPO / "docs" / "CONFIG.md").read_text()
     assert committed == render_reference(), (
         "docs/CONFIG.md differs from the field descriptions in batchrl/config/models.py; regenerate it with "
-        "`.venv/bin/python -m batchrl.config.reference docs/CONFIG.md`")
+        "`.venv/bin/python -m batchrl.config.reference docs/CONFIG.md`"
+    )
 
 
 def test_the_reference_lists_every_field_of_nested_sections_with_its_default():

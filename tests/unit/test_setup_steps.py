@@ -3,18 +3,16 @@ before the first runs, calls them in order, and a mistake is a config error nami
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
+from harness import cli
 
 from batchrl.config import ConfigError, load_pipeline
 from batchrl.setup_steps import run_setup_steps
-
-REPO = Path(__file__).resolve().parents[2]
 
 MINIMAL = {"name": "t", "model": {"path": "some/model"}, "data": {"train_files": ["prompts/"]}}
 
@@ -137,12 +135,7 @@ def test_batchrl_run_with_an_unimportable_setup_step_exits_2_with_one_line_and_w
         run={"root": str(tmp_path / "runs")},
         setup={"fetch": {"call": "no_such_module_xyz:fetch", "arguments": {"day": 1}}},
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "batchrl.cli", "run", str(write(tmp_path, raw))],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    result = cli("run", write(tmp_path, raw))
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and errors[0].startswith("config error: setup.fetch.call: cannot import module")

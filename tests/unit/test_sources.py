@@ -147,10 +147,9 @@ def test_credentials_are_not_asked_for_when_nothing_is_on_s3(no_aws_credentials,
     ],
 )
 def test_commands_that_read_a_run_on_s3_without_credentials_exit_2_with_one_line(no_aws_credentials, command):
-    import subprocess
-    import sys
+    from harness import cli
 
-    done = subprocess.run([sys.executable, "-m", "batchrl.cli", *command], capture_output=True, text=True, timeout=120)
+    done = cli(*command, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("config error: s3://bucket/runs/r") and "AWS_ACCESS_KEY_ID" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
