@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,13 @@ def ray_session():
         configure_logging=False,
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
     )
-    yield
-    from batchrl.stages.generate import EnginePool
+    try:
+        yield
+    finally:
+        from batchrl.stages.generate import EnginePool
 
-    if EnginePool._current is not None:
-        EnginePool._current.shutdown()
-    ray.shutdown()
+        pool, EnginePool._current = EnginePool._current, None  # a pool of an earlier session is gone with it
+        with contextlib.suppress(Exception):
+            if pool is not None:
+                pool.shutdown()
+        ray.shutdown()

@@ -216,6 +216,13 @@ class GenerateStage(Stage):
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
         return [("model.path", cfg.model.path)]  # the initial policy
 
+    @classmethod
+    def close(cls) -> None:
+        """The run's engines (kept across iterations) end with the run, before its Ray does: a pool left behind
+        would name actors of a Ray session that is gone."""
+        if EnginePool._current is not None:
+            EnginePool._current.shutdown()
+
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         return [generation_actor_need(cfg)]
 
