@@ -52,7 +52,6 @@ from batchrl.pipeline.stage import (
     StageContext,
     consumers,
     is_sharded,
-    planned_iterations,
     producer,
     stage_order,
     table_iteration,
@@ -128,7 +127,7 @@ def build_plan(
         lineage = resolve_lineage(cfg) if check_storage else fresh_lineage(cfg)
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     stages = {name: STAGES[name]() for name in stage_order()}
-    where = {name: set(planned_iterations(stage, cfg)) for name, stage in stages.items()}
+    where = {name: set(stage.planned_iterations(cfg)) for name, stage in stages.items()}
     table_dirs: dict[str, str] = {}
     table_fps: dict[str, str] = {}
     policy_dir, policy_fp = lineage.initial_policy, lineage.initial_policy_fingerprint
@@ -226,7 +225,7 @@ def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int |
         raise ConfigError(f"--from-stage {from_stage} runs once per run, not per iteration: drop --iteration")
     if from_iteration is not None and not 0 <= from_iteration < cfg.run.iterations:
         raise ConfigError(f"--iteration {from_iteration} is outside this run's iterations 0..{cfg.run.iterations - 1}")
-    where = planned_iterations(STAGES[from_stage](), cfg)
+    where = STAGES[from_stage]().planned_iterations(cfg)
     if not where:
         section = STAGES[from_stage].config_section
         raise ConfigError(
@@ -408,6 +407,10 @@ class Runner:
             )
         return step.manifest
 
+    def _has_work(self, name: str) -> bool:
+        """Whether stage ``name`` has a step this run still has to do (a done stage is not checked again)."""
+        return any(step.status != "done" for step in self.steps if step.name == name)
+
     def _input_manifests(self, stage: Stage, iteration: int | None) -> dict[str, Manifest]:
         """The committed manifests of the tables ``stage`` reads at ``iteration``, by table name."""
         return {
@@ -421,7 +424,7 @@ class Runner:
         e.g. input files deleted after ingest)."""
         check_tracking(self.cfg.tracking, run_dir=self.layout.run_dir)
         for name, stage in self.stages.items():
-            if any(step.status != "done" for step in self.steps if step.name == name):
+            if self._has_work(name):
                 stage.check_inputs(self.cfg)
 
     def check_cluster_paths(self) -> None:
@@ -467,7 +470,7 @@ class Runner:
             return
         total = ray.cluster_resources()
         for name, stage in self.stages.items():
-            if all(step.status == "done" for step in self.steps if step.name == name):
+            if not self._has_work(name):
                 continue
             for need in stage.actor_needs(self.cfg):
                 for kind, amount, field_name in (

@@ -159,10 +159,6 @@ def _writers_read_by(cls: type[Stage], writers: dict[str, str]) -> set[str]:
     return {writers[t] for t in tables}
 
 
-def planned_iterations(stage: Stage, cfg: PipelineConfig) -> list[int | None]:
-    return list(stage.planned_iterations(cfg))
-
-
 def producer(table: str) -> str:
     """The name of the stage that writes ``table``."""
     return next(name for name, cls in STAGES.items() if cls.table == table)
