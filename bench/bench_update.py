@@ -34,6 +34,13 @@ from batchrl.trainer.data import read_advantages, samples_from_table
 from batchrl_toy import build_toy_model
 
 
+def build_bench_model(path: Path) -> None:
+    """The toy architecture scaled up (4 layers, hidden 256) that both parts of this bench train."""
+    build_toy_model(
+        path, hidden_size=256, intermediate_size=704, num_layers=4, num_attention_heads=4, num_key_value_heads=2, seed=0
+    )
+
+
 def realistic_lengths(
     rng: np.random.Generator, num_samples: int, *, scale: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -165,15 +172,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-update-") as tmp:
         policy = Path(tmp) / "policy"
-        build_toy_model(
-            policy,
-            hidden_size=256,
-            intermediate_size=704,
-            num_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            seed=0,
-        )
+        build_bench_model(policy)
         from transformers import AutoConfig
 
         vocab_size = AutoConfig.from_pretrained(str(policy)).vocab_size
@@ -226,15 +225,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-update-shared-") as tmp:
         policy = Path(tmp) / "policy"
-        build_toy_model(
-            policy,
-            hidden_size=256,
-            intermediate_size=704,
-            num_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            seed=0,
-        )
+        build_bench_model(policy)
         from transformers import AutoConfig
 
         vocab_size = AutoConfig.from_pretrained(str(policy)).vocab_size
