@@ -122,6 +122,15 @@ class DataConfig(_Strict):
         True, description="Render prompts with the tokenizer's chat template (with the generation prompt)."
     )
     max_prompts: int | None = Field(None, ge=1, description="Use only the first N valid prompts (smoke runs).")
+    prompts_per_iteration: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts each iteration rolls out (verl's data.train_batch_size). Iteration i takes the next "
+        "batch of an epoch's seeded permutation of the prompts table's parts (rows keep their order inside a part); "
+        "an epoch has floor(prompts / this) batches, and the rows left over are left out of that epoch (a new "
+        "permutation each epoch). null, or a value >= the table: every iteration is the whole table. Not part of "
+        "the ingest fingerprint: changing it never re-ingests.",
+    )
 
 
 class GenerateConfig(_Strict):

@@ -160,9 +160,9 @@ def build_plan(
         by_dir = {step.output_dir: step for step in plan}
         for step in plan:
             _set_status(step, checksums=verify_checksums)
-            upstream = by_dir.get(next(iter(step.input_dirs.values()), ""))
-            if upstream is not None and upstream.manifest is not None and step.sharded:
-                step.parts_total = len(upstream.manifest.parts)
+            inputs = {table: getattr(by_dir.get(d), "manifest", None) for table, d in step.input_dirs.items()}
+            if step.sharded and inputs and all(m is not None for m in inputs.values()):
+                step.parts_total = len(stages[step.name].output_parts(cfg, step.iteration, inputs))
             _check_recorded_inputs(step, by_dir, lineage)
     if from_stage is not None:
         _force_from(plan, from_stage, from_iteration)
@@ -585,9 +585,8 @@ class Runner:
             names = []
         keep = {MANIFEST_NAME, STARTED_MARKER}
         if is_sharded(stage):
-            upstream = next(t for t in stage.inputs if t != POLICY)
-            expected = self.plan[(producer(upstream), table_iteration(upstream, step.iteration))].manifest.parts
-            keep |= {p.name for p in expected} - set(step.damaged)
+            expected = stage.output_parts(self.cfg, step.iteration, self._input_manifests(stage, step.iteration))
+            keep |= set(expected) - set(step.damaged)
         strays = [n for n in names if n not in keep]
         if strays:
             logger.info(

@@ -73,10 +73,15 @@ class ShardWorker:
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         results: dict[str, list] = {"name": [], "rows": [], "sha256": [], "num_bytes": [], "counts_json": []}
         expected = batch.get("input_sha256", [None] * len(batch["name"]))
-        for input_uri, output_uri, name, sha256 in zip(
-            batch["input_uri"], batch["output_uri"], batch["name"], expected
+        starts = batch.get("row_start", [None] * len(batch["name"]))
+        stops = batch.get("row_stop", [None] * len(batch["name"]))
+        for input_uri, output_uri, name, sha256, start, stop in zip(
+            batch["input_uri"], batch["output_uri"], batch["name"], expected, starts, stops
         ):
-            table, counts = self.process(read_verified_parquet(str(input_uri), sha256=sha256))
+            table = read_verified_parquet(str(input_uri), sha256=sha256)
+            if start is not None:  # a slice of the input part (generate's per-iteration prompt batch)
+                table = table.slice(int(start), int(stop) - int(start))
+            table, counts = self.process(table)
             table = conform(table, self.schema)
             num_bytes, digest = write_parquet_atomic(table, str(output_uri))
             results["name"].append(str(name))

@@ -105,6 +105,13 @@ class Stage:
         """Its contribution to an iteration's metrics (``timings``: the iteration's timing_s/* so far)."""
         return dict(manifest.stats)
 
+    def output_parts(self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest]) -> list[str]:
+        """A sharded stage's part names at ``iteration``, given its committed input manifests: one part per part
+        of its first input table, of the same name (generate writes one per slice of its prompt batch). The runner
+        keeps only these when it resumes the stage."""
+        upstream = next(t for t in self.inputs if t != POLICY)
+        return [part.name for part in inputs[upstream].parts]
+
     def run(self, ctx: StageContext) -> StageOutput:
         raise NotImplementedError
 

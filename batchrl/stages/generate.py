@@ -26,11 +26,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchrl.algorithms.batches import Batch, Slice, iteration_batch
 from batchrl.config import PipelineConfig
-from batchrl.pipeline.shards import ShardWorker, add_counts, part_info, pending_shards
+from batchrl.pipeline.shards import ShardWorker, add_counts, kept_part, part_info
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
-from batchrl.storage import local_copy
-from batchrl.storage.manifest import Manifest
+from batchrl.storage import join, local_copy
+from batchrl.storage.layout import part_name
+from batchrl.storage.manifest import Manifest, PartInfo
 
 logger = logging.getLogger(__name__)
 
@@ -242,16 +244,27 @@ class GenerateStage(Stage):
             "generate": cfg.generate.model_dump(exclude=placement, exclude_defaults=True),
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
-        }
+        } | ({"prompts_per_iteration": cfg.data.prompts_per_iteration} if cfg.data.prompts_per_iteration else {})
+
+    def output_parts(self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest]) -> list[str]:
+        return [name for name, _ in batch_parts(prompt_batch(cfg, iteration, inputs["prompts"]))]
 
     def run(self, ctx: StageContext) -> StageOutput:
         g = ctx.cfg.generate
-        parts, counts, jobs = pending_shards(
-            input_dir=ctx.input_dirs["prompts"],
-            input_manifest=ctx.inputs["prompts"],
-            output_dir=ctx.output_dir,
-            schema=self.schema,
-            summarize=summarize_rollouts,
+        batch = prompt_batch(ctx.cfg, ctx.iteration, ctx.inputs["prompts"])
+        sha256 = {part.name: part.sha256 for part in ctx.inputs["prompts"].parts}
+        all_jobs = [
+            {
+                "input_uri": join(ctx.input_dirs["prompts"], piece.part),
+                "output_uri": join(ctx.output_dir, name),
+                "name": name,
+                "input_sha256": sha256[piece.part],
+            }
+            | ({} if batch.whole_parts else {"row_start": piece.start, "row_stop": piece.stop})
+            for name, piece in batch_parts(batch)
+        ]
+        parts, counts, jobs = pending_jobs(
+            all_jobs, output_dir=ctx.output_dir, schema=self.schema, summarize=summarize_rollouts
         )
         timings: list[dict[str, float]] = []
         if jobs:
@@ -281,10 +294,57 @@ class GenerateStage(Stage):
             if g.engine_lifetime == "stage":
                 pool.shutdown()
         return StageOutput(
-            parts=[parts[p.name] for p in ctx.inputs["prompts"].parts],
+            parts=[parts[job["name"]] for job in all_jobs],
             counts={k: int(v) for k, v in counts.items() if not k.endswith("_s")},
-            stats=_stats(counts, timings),
+            stats=_stats(counts, timings) | batch_stats(batch),
         )
+
+
+def prompt_batch(cfg: PipelineConfig, iteration: int | None, prompts: Manifest) -> Batch:
+    """The prompts ``iteration`` rolls out (see batchrl.algorithms.batches): all of them when
+    data.prompts_per_iteration is unset."""
+    return iteration_batch(
+        [(part.name, part.rows) for part in prompts.parts],
+        seed=cfg.run.seed,
+        iteration=iteration or 0,
+        batch_size=cfg.data.prompts_per_iteration,
+    )
+
+
+def batch_parts(batch: Batch) -> list[tuple[str, Slice]]:
+    """(output part name, the prompts slice it is generated from): a whole-table iteration keeps the prompts' part
+    names (as before batches existed); a batch names its parts by position, part-00000 for its first slice."""
+    if batch.whole_parts:
+        return [(piece.part, piece) for piece in batch.slices]
+    return [(part_name(index), piece) for index, piece in enumerate(batch.slices)]
+
+
+def batch_stats(batch: Batch) -> dict[str, float]:
+    """Where the iteration is in the prompt set: its epoch, its batch in the epoch, prompts rolled out so far."""
+    return {
+        "data/epoch": batch.epoch,
+        "data/batch_in_epoch": batch.index_in_epoch,
+        "data/batches_per_epoch": batch.batches_per_epoch,
+        "data/prompts": batch.rows,
+        "data/prompts_consumed": (batch.iteration + 1) * batch.rows,
+    }
+
+
+def pending_jobs(
+    jobs: list[dict[str, Any]], *, output_dir: str, schema: str, summarize
+) -> tuple[dict[str, PartInfo], dict[str, float], list[dict[str, Any]]]:
+    """(parts already written, their summed counts, the jobs still to run)."""
+    parts: dict[str, PartInfo] = {}
+    counts: dict[str, float] = {}
+    todo = []
+    for job in jobs:
+        done = kept_part(job["output_uri"], schema=schema, input_uri=job["input_uri"])
+        if done is None:
+            todo.append(job)
+        else:
+            parts[job["name"]] = done[0]
+            add_counts(counts, summarize(done[1]))
+    return parts, counts, todo
 
 
 def generation_actor_need(cfg: PipelineConfig) -> ActorNeed:

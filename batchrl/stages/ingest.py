@@ -69,7 +69,8 @@ class IngestStage(Stage):
         return [("data.train_files", uri) for uri in cfg.data.train_files]
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        return {"data": cfg.data.model_dump(exclude_defaults=True), "tokenizer": cfg.model.tokenizer or cfg.model.path}
+        data = cfg.data.model_dump(exclude_defaults=True, exclude={"prompts_per_iteration"})  # read by generate
+        return {"data": data, "tokenizer": cfg.model.tokenizer or cfg.model.path}
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         """Before anything is written: the inputs exist, local ones are Parquet files with the needed columns and

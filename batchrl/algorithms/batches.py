@@ -1,0 +1,86 @@
+"""Per-iteration prompt batches: which prompts iteration i rolls out (verl's ``data.train_batch_size`` loop).
+
+A pure function of (seed, iteration, the prompts table's parts and their row counts): a resumed run, a re-planned
+run and ``--from-stage`` all see the same batch, and no state is carried between iterations.
+
+- Epoch e orders the table's parts by a permutation seeded by (seed, e); rows keep their order inside a part.
+  The epoch's stream is those parts concatenated, and batch b of the epoch is rows [b*B, (b+1)*B) of it.
+- An epoch has floor(N / B) batches (at least 1); the rows after the last whole batch are left out of that epoch,
+  as verl's sampler does with drop_last. Another permutation leaves out other rows in the next epoch. So every
+  iteration has exactly B prompts, and a prompt is never twice in one batch (its GRPO group stays whole).
+- Iteration i is batch i mod floor(N / B) of epoch i div floor(N / B).
+- B unset (or B >= N): every iteration is the whole table, parts in table order (one epoch per iteration).
+
+Why whole parts are shuffled, not rows: a row-level permutation sends every batch to ~B different parts (B
+object-store reads of a whole part each, per iteration), while a part-level one reads B / shard_size parts, each
+sequentially. The cost is coarser mixing: rows of one part (neighbours in the input files) stay together. Parts
+are ~``data.shard_size`` rows, so a batch of 1024 from parts of 256 draws from at least 4 places of the set per
+iteration, reshuffled every epoch. Shuffle the input rows once, before ingest, if neighbouring rows are alike
+(sorted by source or difficulty).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows [start, stop) of one part of the prompts table."""
+
+    part: str
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Batch:
+    iteration: int
+    epoch: int
+    index_in_epoch: int
+    batches_per_epoch: int
+    slices: tuple[Slice, ...]
+    whole_parts: bool  # every slice is a whole part, in table order (prompts_per_iteration unset or >= the table)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.slices)
+
+
+def batches_per_epoch(num_rows: int, batch_size: int | None) -> int:
+    """floor(num_rows / batch_size), at least 1 (a batch larger than the table is the whole table)."""
+    if batch_size is None or batch_size >= num_rows:
+        return 1
+    return num_rows // batch_size
+
+
+def part_order(num_parts: int, *, seed: int, epoch: int) -> list[int]:
+    """The indices of the parts in epoch ``epoch``'s order: a permutation seeded by (seed, epoch) alone."""
+    return np.random.default_rng([seed, epoch]).permutation(num_parts).tolist()
+
+
+def iteration_batch(parts: list[tuple[str, int]], *, seed: int, iteration: int, batch_size: int | None) -> Batch:
+    """The prompts of ``iteration``, as slices of ``parts`` ((name, rows) in table order)."""
+    num_rows = sum(rows for _, rows in parts)
+    per_epoch = batches_per_epoch(num_rows, batch_size)
+    epoch, index = divmod(iteration, per_epoch)
+    if batch_size is None or batch_size >= num_rows:
+        slices = tuple(Slice(name, 0, rows) for name, rows in parts if rows)
+        return Batch(iteration, epoch, index, per_epoch, slices, whole_parts=True)
+    first, last = index * batch_size, (index + 1) * batch_size
+    slices, offset = [], 0
+    for position in part_order(len(parts), seed=seed, epoch=epoch):
+        name, rows = parts[position]
+        start, stop = max(first, offset), min(last, offset + rows)
+        if start < stop:
+            slices.append(Slice(name, start - offset, stop - offset))
+        offset += rows
+        if offset >= last:
+            break
+    return Batch(iteration, epoch, index, per_epoch, tuple(slices), whole_parts=False)
