@@ -34,6 +34,13 @@ class RunConfig(_Strict):
         0, description="Run seed; every sample's seed derives from (seed, iteration, prompt_id, sample_idx)."
     )
     iterations: int = Field(1, ge=1, description="Number of generate -> score -> advantage -> update iterations.")
+    epochs: int | None = Field(
+        None,
+        ge=1,
+        description="Instead of run.iterations: passes over the prompt set. The run then has epochs x "
+        "floor(prompts / data.prompts_per_iteration) iterations (epochs, without data.prompts_per_iteration), "
+        "counted from the ingested prompts table: `batchrl plan` lists the iterations once ingest is done.",
+    )
     init_from: str | None = Field(
         None,
         description="Warm start (nightly runs): a previous run directory "
@@ -49,6 +56,15 @@ class RunConfig(_Strict):
         "init_from run and the runs it warm-started from did not ingest (a file is known by "
         "URI, size and ETag/mtime). false: ingest every file again.",
     )
+
+    @model_validator(mode="after")
+    def _iterations_or_epochs(self) -> RunConfig:
+        if self.epochs is not None and "iterations" in self.model_fields_set:
+            raise ValueError(
+                "run.iterations and run.epochs both set: set one (epochs counts the iterations from the prompt "
+                "set's size and data.prompts_per_iteration)"
+            )
+        return self
 
 
 class ModelConfig(_Strict):

@@ -119,12 +119,16 @@ def build_plan(
     from_stage: str | None = None,
     from_iteration: int | None = None,
     verify_checksums: bool = False,
+    count_iterations: bool = True,
 ) -> list[PlannedStage]:
-    """Every stage of the run in order, with fingerprints and (when check_storage) completion status."""
+    """Every stage of the run in order, with fingerprints and (when check_storage) completion status. With
+    run.epochs (and ``count_iterations``), the iterations are counted first (see counted_iterations)."""
     if check_storage:
         check_s3_credentials(cfg)  # a one-line ConfigError, not botocore's traceback on the first manifest read
     if lineage is None:
         lineage = resolve_lineage(cfg) if check_storage else fresh_lineage(cfg)
+    if count_iterations and cfg.run.epochs is not None:
+        cfg = counted_iterations(cfg, lineage=lineage, check_storage=check_storage)
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     stages = {name: STAGES[name]() for name in stage_order()}
     where = {name: set(stage.planned_iterations(cfg)) for name, stage in stages.items()}
@@ -167,6 +171,30 @@ def build_plan(
     if from_stage is not None:
         _force_from(plan, from_stage, from_iteration)
     return plan
+
+
+def counted_iterations(cfg: PipelineConfig, *, lineage: Lineage | None = None, check_storage: bool = True):
+    """``cfg`` with run.iterations set from run.epochs: a stage counts them from the once-per-run tables committed
+    now (generate: epochs x batches per epoch of the prompts table). 0 while those are not committed: the plan then
+    holds the once-per-run stages alone, and the runner counts again once they are done. ``cfg`` itself without
+    run.epochs."""
+    if cfg.run.epochs is None:
+        return cfg
+    unknown = with_iterations(cfg, 0)
+    if not check_storage:
+        return unknown
+    once = [s for s in build_plan(unknown, lineage=lineage, count_iterations=False) if s.iteration is None]
+    tables = {STAGES[s.name].table: s.manifest for s in once if s.status == "done" and not STAGES[s.name].per_iteration}
+    for name in stage_order():
+        count = STAGES[name]().iteration_count(cfg, tables=tables)
+        if count is not None:
+            return with_iterations(cfg, count)
+    return unknown
+
+
+def with_iterations(cfg: PipelineConfig, iterations: int) -> PipelineConfig:
+    """A copy of ``cfg`` with run.iterations set (unvalidated: 0 stands for "not counted yet")."""
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"iterations": iterations})})
 
 
 def _set_status(step: PlannedStage, *, checksums: bool) -> None:
@@ -223,7 +251,7 @@ def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int |
         raise ConfigError(f"--from-stage {from_stage!r} is not a stage; use one of {names}")
     if not STAGES[from_stage].per_iteration and from_iteration is not None:
         raise ConfigError(f"--from-stage {from_stage} runs once per run, not per iteration: drop --iteration")
-    if from_iteration is not None and not 0 <= from_iteration < cfg.run.iterations:
+    if from_iteration is not None and cfg.run.epochs is None and not 0 <= from_iteration < cfg.run.iterations:
         raise ConfigError(f"--iteration {from_iteration} is outside this run's iterations 0..{cfg.run.iterations - 1}")
     where = STAGES[from_stage]().planned_iterations(cfg)
     if not where:
@@ -232,7 +260,7 @@ def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int |
             f"--from-stage {from_stage}: this config never runs it"
             + (f" (add an {section}: section)" if section else "")
         )
-    if from_iteration is not None and from_iteration not in where:
+    if from_iteration is not None and cfg.run.epochs is None and from_iteration not in where:
         listed = ", ".join("before training" if i is None else str(i) for i in where)
         raise ConfigError(
             f"--from-stage {from_stage} --iteration {from_iteration}: it runs only at iterations "
@@ -246,10 +274,22 @@ def _force_from(plan: list[PlannedStage], from_stage: str, from_iteration: int |
     A stage whose table nothing reads (evaluate) forces only its own later runs: re-evaluating never retrains.
     """
     start = next(
-        i
-        for i, s in enumerate(plan)
-        if s.name == from_stage and (from_iteration is None or s.iteration == from_iteration)
+        (
+            i
+            for i, s in enumerate(plan)
+            if s.name == from_stage and (from_iteration is None or s.iteration == from_iteration)
+        ),
+        None,
     )
+    if start is None:  # with run.epochs (checked here, once counted): an iteration the stage does not run at
+        where = [s.iteration for s in plan if s.name == from_stage]
+        if not where:
+            listed = "none yet (run.epochs: counted once the prompts are ingested)"
+        elif where == list(range(where[0], where[-1] + 1)):
+            listed = f"{where[0]}..{where[-1]}"
+        else:
+            listed = ", ".join(map(str, where))
+        raise ConfigError(f"--from-stage {from_stage} --iteration {from_iteration}: it runs at iterations {listed}")
     leaf = not consumers(STAGES[from_stage].table)
     for step in plan[start:]:
         if step.status != "pending" and (not leaf or step.name == from_stage):
@@ -285,25 +325,31 @@ class Runner:
         from_iteration: int | None = None,
         verify_checksums: bool = False,
     ):
-        self.cfg = cfg
+        self.configured = cfg  # as written (run.yaml): with run.epochs, self.cfg has the counted iterations
         self.layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
         check_s3_credentials(cfg)  # before resolve_lineage's first object-store request
         if from_stage is not None:
             check_from_stage(cfg, from_stage, from_iteration)
         self.lineage = resolve_lineage(cfg)
-        self.steps = build_plan(
-            cfg,
-            lineage=self.lineage,
-            from_stage=from_stage,
-            from_iteration=from_iteration,
-            verify_checksums=verify_checksums,
-        )
-        self.plan = {(s.name, s.iteration): s for s in self.steps}
-        self.by_dir = {s.output_dir: s for s in self.steps}
+        self.cfg = counted_iterations(cfg, lineage=self.lineage)
+        self._plan(from_stage=from_stage, from_iteration=from_iteration, verify_checksums=verify_checksums)
         self.stages: dict[str, Stage] = {name: STAGES[name]() for name in stage_order()}
         self.embedded_ray = False  # set when the runner starts its own local Ray (see _ray_session)
         self.summary = RunSummary(run_dir=self.layout.run_dir)
         self.trackers = Trackers([])  # opened in run()
+
+    def _plan(self, **options) -> None:
+        self.steps = build_plan(self.cfg, lineage=self.lineage, count_iterations=False, **options)
+        self.plan = {(s.name, s.iteration): s for s in self.steps}
+        self.by_dir = {s.output_dir: s for s in self.steps}
+
+    def _count_iterations(self) -> None:
+        """With run.epochs and the once-per-run tables made by this run: counts the iterations and plans them."""
+        if self.cfg.run.epochs is None or self.cfg.run.iterations:
+            return
+        self.cfg = counted_iterations(self.configured, lineage=self.lineage)
+        self._plan()
+        logger.info("run.epochs=%d: %d iterations", self.cfg.run.epochs, self.cfg.run.iterations)
 
     def run(self) -> RunSummary:
         self.check_inputs()  # config errors surface here, before the run directory is touched
@@ -336,6 +382,7 @@ class Runner:
         for name in once:
             if self.stage(name) is None:
                 return  # an incremental run with no new input file: nothing to train on
+        self._count_iterations()
         self.preflight({self.stages[name].table: self.plan[(name, None)].manifest for name in once})
         each = [name for name, stage in self.stages.items() if stage.per_iteration]
         for iteration in [None] + list(range(self.cfg.run.iterations)):
@@ -566,7 +613,7 @@ class Runner:
         return readers
 
     def _write_run_yaml(self) -> None:
-        text = yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False)
+        text = yaml.safe_dump(self.configured.model_dump(mode="json"), sort_keys=False)
         write_bytes_atomic(self.layout.run_yaml, text.encode())
 
     def _prepare_output_dir(self, step: PlannedStage, stage) -> None:

@@ -82,6 +82,11 @@ class Stage:
         """Where the stage runs: None = once, before iteration 0; by default once or every iteration."""
         return list(range(cfg.run.iterations)) if self.per_iteration else [None]
 
+    def iteration_count(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> int | None:
+        """With run.epochs: the run's number of iterations, from the once-per-run tables (``tables``: their committed
+        manifests); None when this stage does not decide it (generate does: epochs x batches per epoch)."""
+        return None
+
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         """The config that determines this stage's output (changing it invalidates the stage)."""
         raise NotImplementedError

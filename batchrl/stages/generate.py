@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchrl.algorithms.batches import Batch, Slice, iteration_batch
+from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
 from batchrl.config import PipelineConfig
 from batchrl.pipeline.shards import ShardWorker, add_counts, kept_part, part_info
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
@@ -245,6 +245,12 @@ class GenerateStage(Stage):
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
         } | ({"prompts_per_iteration": cfg.data.prompts_per_iteration} if cfg.data.prompts_per_iteration else {})
+
+    def iteration_count(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> int | None:
+        prompts = tables.get("prompts")
+        if cfg.run.epochs is None or prompts is None:
+            return None
+        return cfg.run.epochs * batches_per_epoch(prompts.num_rows, cfg.data.prompts_per_iteration)
 
     def output_parts(self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest]) -> list[str]:
         return [name for name, _ in batch_parts(prompt_batch(cfg, iteration, inputs["prompts"]))]

@@ -3,6 +3,7 @@ batch (the pure function of seed, iteration and the prompts table), epochs and p
 metrics, changing the batch size never re-ingests, and a driver SIGKILLed in the middle of an epoch resumes to the
 rows and weights of an uninterrupted run. The tiny pipeline: 8 prompts in 2 parts of 4, 3 prompts per iteration,
 so an epoch is 2 batches (2 prompts left out), iteration 1's batch spans both parts and iteration 2 starts epoch 1.
+The run sets run.epochs (2), not run.iterations: its 4 iterations are counted from the ingested prompts table.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from harness import cli, cli_ok, read_manifest, read_metrics, read_table, start_cli, write_pipeline
+from harness import DEFAULT, cli, cli_ok, read_manifest, read_metrics, read_table, start_cli, write_pipeline
 from test_faults import kill_group, kill_when
 
 from batchrl.algorithms.batches import iteration_batch
 
 pytestmark = pytest.mark.slow
 
-BATCH, ITERATIONS, SEED = 3, 3, 5  # the tiny pipeline's run.seed is 5
+BATCH, EPOCHS, SEED = 3, 2, 5  # the tiny pipeline's run.seed is 5
+ITERATIONS = EPOCHS * (8 // BATCH)
 BATCHES = {
     "name": "batches",
-    "run.iterations": ITERATIONS,
+    "run.iterations": DEFAULT,
+    "run.epochs": EPOCHS,
     "data.prompts_per_iteration": BATCH,
     "generate": {"num_samples_per_prompt": 2, "temperature": 1.0},
 }
@@ -65,17 +68,29 @@ def test_each_iteration_rolls_out_its_batch_and_reports_where_it_is_in_the_epoch
     assert not set(batches[0]) & set(batches[1]), "two batches of one epoch share a prompt"
     assert len(read_manifest(run / "iter_0001" / "rollouts")["parts"]) == 2  # a batch across two parts
     metrics = read_metrics(run)
-    assert [m["data/epoch"] for m in metrics] == [0, 0, 1]
-    assert [m["data/batch_in_epoch"] for m in metrics] == [0, 1, 0]
-    assert [m["data/prompts_consumed"] for m in metrics] == [3, 6, 9]
+    assert [m["data/epoch"] for m in metrics] == [0, 0, 1, 1]
+    assert [m["data/batch_in_epoch"] for m in metrics] == [0, 1, 0, 1]
+    assert [m["data/prompts_consumed"] for m in metrics] == [3, 6, 9, 12]
     assert all(m["perf/num_samples"] == BATCH * 2 for m in metrics)
 
 
 def test_a_new_batch_size_keeps_the_ingested_prompts_and_redoes_the_iterations(reference):
     path, run = reference
-    plan = cli_ok("plan", path, "--run-id", "reference", sets=["data.prompts_per_iteration=4"]).stdout
+    plan = cli_ok("plan", path, "--run-id", "reference", sets=["data.prompts_per_iteration=2"]).stdout
     assert re.search(r"^  ingest +done +skip", plan, re.M), plan
     assert re.search(r"^  iter 0 generate +stale +redo \(config changed\)", plan, re.M), plan
+    assert "iter 7 generate" in plan and "iter 8 generate" not in plan, plan  # 2 epochs of 8 // 2 batches
+
+
+def test_epochs_count_the_iterations_once_the_prompts_are_ingested(reference):
+    path, _ = reference
+    plan = cli_ok("plan", path, "--run-id", "not-ingested-yet").stdout
+    assert re.search(r"^  ingest +pending", plan, re.M) and "iter 0" not in plan, plan
+    assert "run.epochs=2: the iterations are listed once the prompts table is ingested" in plan, plan
+    done = cli_ok("plan", path, "--run-id", "reference").stdout
+    assert re.search(rf"^  iter {ITERATIONS - 1} update +done", done, re.M) and f"iter {ITERATIONS} " not in done
+    late = cli("plan", path, "--run-id", "reference", "--from-stage", "generate", "--iteration", str(ITERATIONS))
+    assert late.returncode == 2 and f"it runs at iterations 0..{ITERATIONS - 1}" in late.stderr, late.stderr
 
 
 def sha256(path: Path) -> str:

@@ -107,6 +107,15 @@ def test_a_bad_set_key_is_blamed_on_the_set_override_not_the_pipeline_file(tmp_p
         load_pipeline(write(tmp_path, dict(MINIMAL, generate={"temprature": 0.7})))
 
 
+def test_run_epochs_and_run_iterations_are_one_or_the_other(tmp_path):
+    cfg = load_pipeline(write(tmp_path, MINIMAL), overrides=["run.epochs=3"])
+    assert cfg.run.epochs == 3
+    with pytest.raises(ConfigError, match=r"run\.iterations and run\.epochs both set: set one"):
+        load_pipeline(write(tmp_path, MINIMAL), overrides=["run.epochs=3", "run.iterations=2"])
+    with pytest.raises(ConfigError, match=r"run\.epochs: Input should be greater than or equal to 1"):
+        load_pipeline(write(tmp_path, MINIMAL), overrides=["run.epochs=0"])
+
+
 def test_set_overrides_win_over_the_file_and_parse_yaml_scalars(tmp_path):
     cfg = load_pipeline(
         write(tmp_path, MINIMAL), overrides=["generate.temperature=0.25", "run.iterations=3", "generate.stop=['</s>']"]
