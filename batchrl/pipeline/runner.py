@@ -57,6 +57,7 @@ from batchrl.pipeline.stage import (
     table_iteration,
 )
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
+from batchrl.storage.journal import JOURNAL_DIR
 from batchrl.storage.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -630,7 +631,7 @@ class Runner:
             logger.info("%s: clearing output of a different config", step.label)
             _remove(step.output_dir)
             names = []
-        keep = {MANIFEST_NAME, STARTED_MARKER}
+        keep = {MANIFEST_NAME, STARTED_MARKER, JOURNAL_DIR}  # the journal's records are checked against the parts
         if is_sharded(stage):
             expected = stage.output_parts(self.cfg, step.iteration, self._input_manifests(stage, step.iteration))
             keep |= set(expected) - set(step.damaged)
