@@ -268,7 +268,6 @@ class AdvantageStage(Stage):
             output_dir=ctx.output_dir,
             worker_cls=AdvantageWorker,
             worker_kwargs={"config": a.model_dump(), "moments": moments, "reference_path": ctx.cfg.model.path},
-            summarize=summarize_advantages,
             concurrency=max(1, ctx.cfg.ray.num_cpus or 2),
             num_cpus=1,
             description="advantage",
