@@ -196,7 +196,7 @@ def _read_statuses(
             _set_status(step, checksums=checksums)
             known[(step.output_dir, checksums)] = dataclasses.replace(step)  # as storage has it (no checks yet)
         inputs = {table: getattr(by_dir.get(d), "manifest", None) for table, d in step.input_dirs.items()}
-        if step.sharded and inputs and all(m is not None for m in inputs.values()):
+        if step.status == "partial" and step.sharded and inputs and all(m is not None for m in inputs.values()):
             step.parts_total = len(STAGES[step.name]().output_parts(cfg, step.iteration, inputs))
         _check_recorded_inputs(step, by_dir, lineage)
 

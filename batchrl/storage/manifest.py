@@ -60,9 +60,11 @@ class PartInfo:
         )
 
     @classmethod
-    def from_dict(cls, raw: dict) -> PartInfo:
-        # Interned: the tables of a run repeat the same part names (part-00000.parquet ...), one copy will do.
-        return cls(sys.intern(raw["name"]), raw["rows"], raw["sha256"], raw["num_bytes"])
+    def list_from(cls, raw: list[dict]) -> list[PartInfo]:
+        """The parts of a manifest's JSON list. Names are interned: the tables of a run repeat the same part names
+        (part-00000.parquet, ...), one copy will do."""
+        intern = sys.intern
+        return [cls(intern(p["name"]), p["rows"], p["sha256"], p["num_bytes"]) for p in raw]
 
 
 @dataclass
@@ -117,10 +119,10 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         raw = json.loads(text)
-        raw["parts"] = [PartInfo.from_dict(p) for p in raw["parts"]]
-        raw["extra_parts"] = {k: [PartInfo.from_dict(p) for p in v] for k, v in raw.get("extra_parts", {}).items()}
+        raw["parts"] = PartInfo.list_from(raw["parts"])
+        raw["extra_parts"] = {k: PartInfo.list_from(v) for k, v in raw.get("extra_parts", {}).items()}
         if raw.get("trainer_state") is not None:
-            raw["trainer_state"] = [PartInfo.from_dict(p) for p in raw["trainer_state"]]
+            raw["trainer_state"] = PartInfo.list_from(raw["trainer_state"])
         return cls(**raw)
 
 
