@@ -249,7 +249,12 @@ def train(
                     "lr": lr,
                 }
             )
-            step_metrics.append(metrics | {"actor/lr": lr, "perf/step_time_s": time.perf_counter() - started})
+            # staleness: optimizer steps this update took before this one, i.e. since the rollout's policy
+            staleness = float(step - start_step)
+            step_metrics.append(
+                metrics
+                | {"actor/lr": lr, "perf/step_time_s": time.perf_counter() - started, "update/staleness": staleness}
+            )
             step += 1
             logger.info("epoch %d, step %d: %s", epoch, step, metrics)
     if not step_metrics:
@@ -258,13 +263,17 @@ def train(
 
 
 def summarize(step_metrics: list[dict[str, float]], *, spec: UpdateSpec, global_step: int) -> dict[str, float]:
-    """Means over optimizer steps of the per-step metrics; the last lr; the fastest step; token totals."""
+    """Means over optimizer steps of the per-step metrics; the last lr; the fastest step; token totals; the mean
+    and largest staleness (optimizer steps taken since the rollout's policy: step k of the update has k)."""
     summed = {"perf/padded_tokens", "perf/real_tokens"}
     metrics = {
         name: sum(m[name] for m in step_metrics) / len(step_metrics)
         for name in step_metrics[0]
-        if name not in summed | {"actor/lr"}
+        if name not in summed | {"actor/lr", "update/staleness"}
     }
+    staleness = [m["update/staleness"] for m in step_metrics]
+    metrics["update/staleness_mean"] = sum(staleness) / len(staleness)
+    metrics["update/staleness_max"] = max(staleness)
     metrics |= {name: sum(m[name] for m in step_metrics) for name in summed}
     metrics["actor/lr"] = step_metrics[-1]["actor/lr"]
     metrics["perf/step_time_min_s"] = min(m["perf/step_time_s"] for m in step_metrics)

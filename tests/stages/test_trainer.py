@@ -190,6 +190,7 @@ def test_each_epoch_takes_one_optimizer_step_per_mini_batch_of_prompts(update):
     metrics, _ = update(1, "full")  # 4 prompts in mini-batches of 2, 2 epochs
 
     assert metrics["actor/num_optimizer_steps"] == 4 and metrics["actor/global_step"] == 4
+    assert metrics["update/staleness_max"] == 3 and metrics["update/staleness_mean"] == 1.5  # steps 0, 1, 2, 3
     assert metrics["actor/kl_loss"] > 0 and metrics["actor/kl_coef"] == 0.1  # the reference differs from the policy
     assert 0 < metrics["actor/rollout_is_weight_mean"] <= 2.0
     # warmup (1/3, 2/3 of lr) then cosine over the remaining 2 steps: the last step is at half of lr
