@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
-from trainer_helpers import make_spec
+from trainer_helpers import make_spec, synthetic_rows, write_advantages
 
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.batching import mini_batches, padded_tokens, padding_ratio, plan_micro_batches
@@ -100,6 +102,70 @@ def test_exactly_one_micro_batch_limit_must_be_given():
         plan_micro_batches([1, 2], world_size=1)
     with pytest.raises(ValueError, match="exactly one"):
         plan_micro_batches([1, 2], world_size=1, max_tokens=10, max_samples=2)
+
+
+# ------------------------------------------------------------------------------ planning from the index
+
+
+def whole_table_samples(files: list[str]):
+    """The plan's input as every rank built it before the index: the whole table, sorted, as Python lists."""
+    from batchrl.trainer.data import samples_from_table
+    from batchrl.trainer.index import ADVANTAGE_COLUMNS
+
+    table = pa.concat_tables(pq.read_table(path, columns=list(ADVANTAGE_COLUMNS)) for path in files)
+    return samples_from_table(table.sort_by([("prompt_id", "ascending"), ("sample_idx", "ascending")]))
+
+
+@pytest.mark.parametrize("lengths", [True, False], ids=["length-columns", "earlier-table"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(micro_batch_size=3),
+        dict(max_tokens_per_micro_batch=40, ppo_mini_batch_size=2),
+        dict(max_tokens_per_micro_batch=60, ppo_mini_batch_size=3, share_prompt=True),
+    ],
+    ids=["fixed-count", "token-budget", "shared-prompts"],
+)
+def test_the_index_of_small_columns_plans_exactly_what_the_whole_table_planned(tmp_path, lengths, options):
+    from batchrl.trainer.forward import micro_batch_plan
+    from batchrl.trainer.index import read_index
+
+    rows = synthetic_rows(vocab_size=300, num_prompts=7, samples_per_prompt=4, seed=5)
+    files = write_advantages(rows, tmp_path, lengths=lengths, row_group_size=5)
+    samples, index = whole_table_samples(files), read_index(files)
+
+    assert index.prompt_ids.to_pylist() == samples.prompt_ids
+    assert index.sample_idx_N.tolist() == samples.sample_idx
+    np.testing.assert_array_equal(index.group_N, samples.group_N)
+    np.testing.assert_array_equal(index.lengths_N, samples.lengths_N)
+    np.testing.assert_array_equal(index.loss_tokens_N, samples.loss_tokens_N)
+    np.testing.assert_array_equal(index.advantages_N, samples.advantages_N)
+    spec = make_spec(policy_in="p", policy_out="o", advantages_files=files, metrics_path="m", **options)
+    batches = dict(groups_per_mini_batch=spec.update.ppo_mini_batch_size, seed=3)
+    for epoch in (0, 1):
+        by_table = mini_batches(samples.group_N, epoch=epoch, **batches)
+        by_index = mini_batches(index.group_N, epoch=epoch, **batches)
+        assert [b.tolist() for b in by_index] == [b.tolist() for b in by_table]
+        for indices in by_index:
+            for world_size in (1, 2, 3):
+                plan = micro_batch_plan(index, indices, spec=spec, world_size=world_size)
+                assert plan == micro_batch_plan(samples, indices, spec=spec, world_size=world_size)
+
+
+def test_the_index_finds_each_sample_at_its_part_and_row(tmp_path):
+    from batchrl.trainer.index import read_index
+
+    rows = synthetic_rows(vocab_size=300, num_prompts=3, samples_per_prompt=2, seed=1)
+    files = write_advantages(rows, tmp_path)
+    index = read_index(files)
+
+    parts = [pq.read_table(path).to_pylist() for path in files]
+    for i in range(index.num_samples):
+        row = parts[index.part_N[i]][index.row_N[i]]
+        assert (row["prompt_id"], row["sample_idx"]) == (index.prompt_ids[i].as_py(), index.sample_idx_N[i])
+    positions = np.concatenate([index.rows_of_part(part) for part in range(len(files))])
+    assert sorted(positions.tolist()) == list(range(index.num_samples))
+    assert index.row_N[index.rows_of_part(1)].tolist() == list(range(len(parts[1])))
 
 
 # ------------------------------------------------------------------------------------- lr schedule
