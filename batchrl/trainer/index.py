@@ -194,6 +194,7 @@ def check_advantages(index: SampleIndex) -> None:
 class ListScan:
     """What one part's list columns hold, from one streamed pass over them."""
 
+    part: int  # the part's position in the index's files
     file: str
     token_ranges: dict[str, tuple[int, int]]  # list column -> (min, max) id; absent when it holds no id
     length_mismatches: dict[str, int]  # list column -> rows whose list length is not the index's length
@@ -225,6 +226,7 @@ def scan_part(index: SampleIndex, part: int, *, check_rollout_logprobs: bool) ->
                     ranges[column] = (min(low, old_low), max(high, old_high))
     logprob_mismatches = mismatches.pop("response_logprobs", 0)
     return ListScan(
+        part=part,
         file=index.files[part],
         token_ranges=ranges,
         length_mismatches={c: n for c, n in mismatches.items() if n},
