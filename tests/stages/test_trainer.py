@@ -231,3 +231,20 @@ def test_a_nan_rollout_logprob_stops_the_update_at_the_loss_before_the_optimizer
     with pytest.raises(RuntimeError, match="policy loss is nan"):
         run_update(spec, timeout_s=TIMEOUT_S)
     assert not Path(spec.policy_out).exists()
+
+
+def test_token_ids_outside_the_vocabulary_stop_both_ranks_before_any_step(tmp_path, tiny_policy, vocab_size):
+    rows = synthetic_rows(vocab_size=vocab_size, seed=1)
+    # in the second part, which the second rank scans: the first rank learns of it from the gathered scans
+    next(r for r in rows[len(rows) // 2 :] if r["response_token_ids"])["response_token_ids"][-1] = vocab_size
+    spec = make_spec(
+        policy_in=str(tiny_policy),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=write_advantages(rows, tmp_path / "advantages"),
+        metrics_path=str(tmp_path / "metrics.json"),
+        num_processes=2,
+        backend="gloo",
+    )
+    with pytest.raises(RuntimeError, match=rf"response_token_ids holds ids in \[\d+, {vocab_size}\] but the policy"):
+        run_update(spec, timeout_s=TIMEOUT_S)
+    assert not Path(spec.policy_out).exists()

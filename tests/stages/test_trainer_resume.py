@@ -166,7 +166,13 @@ def test_a_trainer_state_file_that_does_not_hash_as_recorded_is_refused_before_i
 def test_the_kl_loss_is_zero_at_the_first_step_when_the_reference_is_the_policy(runs):
     metrics, spec = runs("first")
     assert metrics["actor/kl_loss"] == 0.0 and metrics["actor/kl_coef"] == 0.5
+    # each of the 2 ranks wrote the samples it computed: together, every sample once
+    assert sorted(p.name for p in Path(spec.logprobs_dir).iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
     logprobs = pq.read_table(spec.logprobs_dir).to_pylist()
+    keys = sorted((r["prompt_id"], r["sample_idx"]) for r in logprobs)
+    table = pq.read_table(spec.advantages_files)
+    assert keys == sorted(zip(table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist()))
+    assert all(pq.read_metadata(p).num_rows > 0 for p in Path(spec.logprobs_dir).iterdir())
     assert all(row["ref_logprob_sum"] < 0 for row in logprobs if row["num_loss_tokens"])
 
 
