@@ -30,7 +30,8 @@ import torch
 from batchrl.config.models import UpdateConfig
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.batching import padding_ratio, plan_micro_batches
-from batchrl.trainer.data import read_advantages, samples_from_table
+from batchrl.trainer.index import read_index
+from batchrl.trainer.rows import RowReader
 from batchrl_toy import build_toy_model
 
 
@@ -127,7 +128,7 @@ def bare_batch(samples, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor,
     weights = torch.zeros((len(indices), length))
     for row, i in enumerate(indices):
         prompt, response = samples.prompt_token_ids[i], samples.response_token_ids[i]
-        input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        input_ids[row, : len(prompt) + len(response)] = torch.tensor(np.concatenate([prompt, response]))
         attention[row, : len(prompt) + len(response)] = 1
         weights[row, len(prompt) : len(prompt) + len(response)] = float(samples.advantages_N[i])
     return input_ids, attention.long(), input_ids[:, 1:], weights[:, 1:]
@@ -139,7 +140,8 @@ def bare_loop(policy_dir: str, advantages: str, *, steps: int, max_tokens: int, 
 
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    samples = samples_from_table(read_advantages([advantages]))
+    index = read_index([str(advantages)])
+    samples = RowReader(index, with_rollout_logprobs=False).read(np.arange(index.num_samples))
     plan = plan_micro_batches(samples.lengths_N, world_size=1, max_tokens=max_tokens)[0]
     batches = [bare_batch(samples, chunk) for chunk in plan]
     num_tokens = int(samples.loss_tokens_N.sum())

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -65,14 +66,21 @@ def synthetic_rows(*, vocab_size: int, num_prompts: int = 4, samples_per_prompt:
     return rows
 
 
-def write_advantages(rows: list[dict], out_dir: Path) -> list[str]:
-    """Two Parquet parts, like a sharded advantage stage."""
+def write_advantages(
+    rows: list[dict], out_dir: Path, *, lengths: bool = True, row_group_size: int | None = None
+) -> list[str]:
+    """Two Parquet parts, like a sharded advantage stage: with the prompt_length and response_length columns it
+    writes (`lengths=False`: a table of an earlier batchrl, without them); `row_group_size` rows per row group."""
     out_dir.mkdir(parents=True, exist_ok=True)
     half = len(rows) // 2
     paths = []
     for index, part in enumerate((rows[:half], rows[half:])):
         path = out_dir / f"part-{index:05d}.parquet"
-        pq.write_table(pa.Table.from_pylist(part, schema=ADVANTAGES_SCHEMA), path)
+        table = pa.Table.from_pylist(part, schema=ADVANTAGES_SCHEMA)
+        if lengths:
+            for name, lists in (("prompt_length", "prompt_token_ids"), ("response_length", "response_token_ids")):
+                table = table.append_column(name, pc.list_value_length(table.column(lists)).cast(pa.int32()))
+        pq.write_table(table, path, row_group_size=row_group_size)
         paths.append(str(path))
     return paths
 

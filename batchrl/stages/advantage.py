@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchrl.algorithms.advantages import (
     BatchMoments,
@@ -189,7 +190,8 @@ def reward_kl_for(cfg: AdvantageConfig, reference_path: str | None) -> RewardKL 
 
 
 def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: np.ndarray | None = None) -> pa.Table:
-    """One row per sample: scalar columns repeat per sample, list-of-sample columns are flattened."""
+    """One row per sample: scalar columns repeat per sample, list-of-sample columns are flattened, and the
+    prompt's and response's token counts are columns of their own."""
     num_samples_P = np.asarray([len(g) for g in table.column("scores").to_pylist()], dtype=np.int64)
     take_S = np.repeat(np.arange(table.num_rows), num_samples_P)
     sample_idx_S = np.concatenate([np.arange(n) for n in num_samples_P]) if len(num_samples_P) else np.zeros(0)
@@ -210,6 +212,9 @@ def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: 
             if table.num_rows
             else pa.array([], table.schema.field(list_name).type.value_type)
         )
+    # The lengths let the update plan mini- and micro-batches from two small columns (batchrl.trainer.index)
+    columns["prompt_length"] = pc.list_value_length(columns["prompt_token_ids"]).cast(pa.int32())
+    columns["response_length"] = pc.list_value_length(columns["response_token_ids"]).cast(pa.int32())
     columns["advantage"] = pa.array(advantages_PG.reshape(-1), pa.float32())
     columns["reward_kl"] = (
         pa.array(reward_kl_PG.reshape(-1), pa.float32())

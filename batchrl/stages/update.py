@@ -1,7 +1,8 @@
 """update: advantages -> the next policy, one FSDP2 PPO-clip/GSPO update, saved as an HF checkpoint.
 
-The stage is glue: it resolves local paths (downloading the advantages parts, the input policy, the reference
-policy and the previous optimizer state when the run lives on object storage), hands an UpdateSpec to the
+The stage is glue: it resolves local paths (downloading the input policy, the reference policy and the previous
+optimizer state when the run lives on object storage; the ranks read the advantages parts in place, local or
+s3://, each only the rows it trains on), hands an UpdateSpec to the
 trainer's launcher (N torch.distributed processes, gloo on CPU / NCCL on GPU), and publishes into
 ``iter_NNNN/policy/``. With ``update.launcher: ray`` (on a Ray cluster) the ranks are Ray actors, possibly on
 other nodes: the spec then names the run directory's own URIs, each actor stages its inputs and uploads its
@@ -11,8 +12,9 @@ outputs itself (`batchrl.trainer.ray_launch`), and the stage only lists what the
   generate stage loads;
 - ``_trainer_state/``: AdamW moments (sharded DCP files) and ``trainer_state.json`` (global optimizer step),
   which the next iteration's update restores, so the iterations train like one long run;
-- ``_logprobs/part-00000.parquet``: per sample, the old-policy and reference log-probs the loss used
-  (per token, and summed), listed in the manifest's ``extra_parts["logprobs"]``.
+- ``_logprobs/part-<rank>.parquet``: per sample, the old-policy and reference log-probs the loss used
+  (per token, and summed), one part per rank with the samples it computed, listed in the manifest's
+  ``extra_parts["logprobs"]``.
 Leading underscores keep both out of model downloads (`local_copy` skips them) and out of the engines' way.
 The optimizer state is deliberately NOT among the manifest's parts: keep-last-K deletes it later, and the runner
 treats a listed part that disappeared as damage (it would redo the update). Its files are recorded with their
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 TRAINER_STATE_DIR = "_trainer_state"
 TRAINER_STATE_FILE = "trainer_state.json"  # as batchrl.trainer.checkpoint writes it (not imported: torch)
-LOGPROBS_PART = "_logprobs/part-00000.parquet"
+LOGPROBS_DIR = "_logprobs"
 
 
 @register
@@ -229,7 +230,7 @@ def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:
             ctx,
             policy_in=ctx.policy_in,
             reference_policy=ctx.cfg.model.path if u.kl_loss_coef > 0 else None,
-            advantages_files=[join(ctx.input_dirs["advantages"], p.name) for p in ctx.inputs["advantages"].parts],
+            advantages_files=_advantages_files(ctx),
             trainer_state_in=None if state is None else state.uri,
             trainer_state_sha256=None if state is None else state.sha256,
             policy_out=ctx.output_dir,
@@ -262,17 +263,21 @@ def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:
     )
 
 
+def _advantages_files(ctx: StageContext) -> list[str]:
+    """The advantages parts' URIs in the run directory: the ranks read them in place (a rank reads only the rows it
+    trains on, so a download of the whole table would be most of the update's I/O)."""
+    return [join(ctx.input_dirs["advantages"], p.name) for p in ctx.inputs["advantages"].parts]
+
+
 def _local_spec(ctx: StageContext, scratch: str, state: RecordedState | None):
-    """The UpdateSpec for the local launcher: every input made local, every output in `scratch`, published after."""
+    """The UpdateSpec for the local launcher: the policies and the trainer state made local, the advantages read in
+    place, every output in `scratch`, published after."""
     u = ctx.cfg.update
     return _spec(
         ctx,
         policy_in=local_copy(ctx.policy_in),
         reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
-        advantages_files=[
-            _local_file(join(ctx.input_dirs["advantages"], p.name), scratch, "advantages")
-            for p in ctx.inputs["advantages"].parts
-        ],
+        advantages_files=_advantages_files(ctx),
         trainer_state_in=None if state is None else _local_trainer_state(state, scratch),
         trainer_state_sha256=None if state is None else state.sha256,
         policy_out=str(Path(scratch) / "policy"),
@@ -313,7 +318,7 @@ def _spec(
         trainer_state_in=trainer_state_in,
         trainer_state_sha256=trainer_state_sha256,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
-        logprobs_out=join(out_dir, LOGPROBS_PART),
+        logprobs_dir=join(out_dir, LOGPROBS_DIR),
     )
 
 
@@ -453,16 +458,6 @@ def _prune_trainer_states(ctx: StageContext) -> None:
         if fs.exists(path):
             fs.rm(path, recursive=True)
             logger.info("deleted the optimizer state of iteration %d (%s)", old_iteration, uri)
-
-
-def _local_file(uri: str, scratch: str, subdir: str) -> str:
-    if is_local(uri):
-        return uri.removeprefix("file://")
-    fs, path = resolve(uri)
-    target = os.path.join(scratch, subdir, path.rsplit("/", 1)[-1])
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fs.get_file(path, target)
-    return target
 
 
 def _publish_dir(local_dir: Path, output_dir: str, *, prefix: str) -> list[PartInfo]:

@@ -1,7 +1,8 @@
 """Which samples go into which optimizer step, rank and micro-batch: pure functions of sample lengths.
 
-Why plan everything from lengths alone: every rank reads the whole advantages table, so every rank can
-compute the same plan for all ranks without communicating. That gives, for free, what the collectives
+Why plan everything from lengths alone: every rank reads the lengths of every sample (two small columns of
+the advantages table, see `index`), so every rank can compute the same plan for all ranks without
+communicating. That gives, for free, what the collectives
 need to agree on: the number of micro-batches (ranks with fewer get empty ones, because every FSDP
 forward/backward is a collective) and the global token and sequence counts that normalise the loss.
 

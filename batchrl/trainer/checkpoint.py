@@ -8,7 +8,8 @@ Why three outputs:
   `trainer_state.json` with the global optimizer step that the lr schedule continues from. DCP reshards
   on load, so the next update may use a different number of processes. Without it every iteration would
   restart Adam from zero moments, i.e. take bias-corrected sign-like first steps.
-- The log-probs table records, per sample, the old-policy and reference log-probs the loss used.
+- The log-probs table records, per sample, the old-policy and reference log-probs the loss used (one part per
+  rank, `LogprobsWriter`).
 
 RNG: nothing stateful is carried. Dropout is off, and the only randomness (mini-batch shuffles) derives
 from (seed, iteration, epoch), so a resumed run draws the same shuffles without saved generator state.
@@ -115,16 +116,15 @@ def load_trainer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return global_step
 
 
-def write_logprobs(
-    samples: Samples, *, old_flat: np.ndarray, ref_flat: np.ndarray | None, loss_tokens_N: np.ndarray, path: str
-) -> None:
-    """Rank 0: one row per sample with the per-token old/reference log-probs the loss used, and their sums.
+def logprobs_table(rows: Samples, *, old_flat: np.ndarray, ref_flat: np.ndarray | None) -> pa.Table:
+    """One row per sample of `rows` with the per-token old/reference log-probs the loss used, and their sums.
 
     Sums run over loss tokens only (a first response token with no prompt before it is excluded).
     """
-    offsets = samples.response_offsets_N1
+    offsets = rows.response_offsets_N1
+    loss_tokens_N = rows.loss_tokens_N
     old_lists, ref_lists, old_sums, ref_sums = [], [], [], []
-    for i in range(samples.num_samples):
+    for i in range(rows.num_samples):
         start, end = int(offsets[i]), int(offsets[i + 1])
         skip_first = int(end - start > loss_tokens_N[i])
         old_lists.append(old_flat[start:end])
@@ -132,22 +132,47 @@ def write_logprobs(
         if ref_flat is not None:
             ref_lists.append(ref_flat[start:end])
             ref_sums.append(float(ref_flat[start + skip_first : end].astype(np.float64).sum()))
-    table = pa.table(
+    return pa.table(
         {
-            "prompt_id": samples.prompt_ids,
-            "sample_idx": samples.sample_idx,
+            "prompt_id": rows.prompt_ids,
+            "sample_idx": rows.sample_idx,
             "num_loss_tokens": loss_tokens_N.astype(np.int32),
             "old_logprob_sum": old_sums,
-            "ref_logprob_sum": ref_sums if ref_flat is not None else [None] * samples.num_samples,
+            "ref_logprob_sum": ref_sums if ref_flat is not None else [None] * rows.num_samples,
             "old_logprobs": old_lists,
-            "ref_logprobs": ref_lists if ref_flat is not None else [None] * samples.num_samples,
+            "ref_logprobs": ref_lists if ref_flat is not None else [None] * rows.num_samples,
         },
         schema=LOGPROBS_SCHEMA,
     )
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = f"{path}.tmp-{os.getpid()}"
-    pq.write_table(table, tmp_path)
-    os.replace(tmp_path, path)
+
+
+class LogprobsWriter:
+    """This rank's rows of the log-probs table, streamed as they are computed: one row group per `write` into
+    ``<out_dir>/part-<rank>.parquet``, under a temporary name until `close` renames it into place (`abort`, after a
+    failure, removes it). Each rank writes the samples it computed, so the parts together hold every sample once;
+    rows are in (prompt_id, sample_idx) order within a row group, not across them."""
+
+    def __init__(self, out_dir: str, *, rank: int):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(out_dir) / f"part-{rank:05d}.parquet"
+        self._tmp = Path(out_dir) / f".{self.path.name}.tmp-{os.getpid()}"
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, LOGPROBS_SCHEMA, compression="zstd")
+
+    def write(self, rows: Samples, *, old_flat: np.ndarray, ref_flat: np.ndarray | None) -> None:
+        if rows.num_samples:
+            self._writer.write_table(logprobs_table(rows, old_flat=old_flat, ref_flat=ref_flat))
+
+    def close(self) -> None:
+        self._writer.close()
+        self._writer = None
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Remove the unfinished file (nothing to do after `close`)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            self._tmp.unlink(missing_ok=True)
 
 
 def replace_dir(src: Path, dst: Path) -> None:

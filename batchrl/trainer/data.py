@@ -1,9 +1,9 @@
-"""The advantages table as the trainer sees it: validated columns, and micro-batch tensors.
+"""Rows of the advantages table in memory, and micro-batch tensors.
 
 Why columns plus flat per-token arrays: the update needs, per sample, values for every response token
 (engine log-probs, recomputed old log-probs, reference log-probs). Those live in flat float32 arrays indexed
 by `response_offsets_N1` (sample i's response tokens are flat[offsets[i]:offsets[i+1]]), so one pass can
-fill them for any subset of samples and one all-reduce can share them between ranks.
+fill them for any subset of samples and one all-reduce can share a mini-batch's between ranks.
 
 Micro-batch layout (`MicroBatch`): the model input is right-padded rows, one per sample, or one per "pack" of
 samples that share a prompt (prompt once, then their responses: see `collate_packs`); everything the loss
@@ -20,31 +20,22 @@ from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
 logger = logging.getLogger(__name__)
 
-ADVANTAGE_COLUMNS = (
-    "prompt_id",
-    "sample_idx",
-    "prompt_token_ids",
-    "response_token_ids",
-    "response_logprobs",
-    "advantage",
-)
-
 
 @dataclass(frozen=True)
 class Samples:
-    """The advantages table sorted by (prompt_id, sample_idx). N = samples."""
+    """Rows of the advantages table in memory, in (prompt_id, sample_idx) order: one rank's share of a mini-batch
+    (`rows.RowReader`: token lists as numpy arrays), or a shard's samples (`samples_from_table`, for the advantage
+    stage's reference scorer: Python lists). N = samples."""
 
     prompt_ids: list[str]
     sample_idx: list[int]
-    prompt_token_ids: list[list[int]]
-    response_token_ids: list[list[int]]
-    rollout_logprobs: list[list[float]]
+    prompt_token_ids: Sequence[Sequence[int]]
+    response_token_ids: Sequence[Sequence[int]]
+    rollout_logprobs: Sequence[Sequence[float]]
     advantages_N: np.ndarray  # float64
     group_N: np.ndarray  # int64, the prompt group number of each sample (0..num_groups-1)
     response_offsets_N1: np.ndarray  # int64 [N + 1], offsets of each response in flat per-token arrays
@@ -87,55 +78,8 @@ class Samples:
         )
 
 
-def read_advantages(paths: list[str]) -> pa.Table:
-    """All advantages parts as one table sorted by (prompt_id, sample_idx), so every rank sees one order."""
-    tables = []
-    for path in paths:
-        schema_names = pq.read_schema(path).names
-        missing = [c for c in ADVANTAGE_COLUMNS if c not in schema_names]
-        if missing:
-            raise ValueError(f"{path} lacks advantages-table columns {missing}; pass the advantage stage's output")
-        tables.append(pq.read_table(path, columns=list(ADVANTAGE_COLUMNS)))
-    table = pa.concat_tables(tables, promote_options="permissive")
-    return table.sort_by([("prompt_id", "ascending"), ("sample_idx", "ascending")])
-
-
-def check_advantages(table: pa.Table, *, needs_rollout_logprobs: bool) -> None:
-    """User-data errors caught before any compute: non-finite advantages, mismatched logprob lists."""
-    advantages_N = table.column("advantage").to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
-    bad = np.flatnonzero(~np.isfinite(advantages_N))
-    if bad.size:
-        first = table.slice(int(bad[0]), 1).to_pylist()[0]
-        raise ValueError(
-            f"{bad.size} of {table.num_rows} advantages are NaN/inf (first: prompt_id={first['prompt_id']!r}, "
-            f"sample_idx={first['sample_idx']}); fix the advantage stage output (e.g. a std of 0 in a group)"
-        )
-    if needs_rollout_logprobs:
-        num_tokens = pc.list_value_length(table.column("response_token_ids")).fill_null(0)
-        num_logprobs = pc.list_value_length(table.column("response_logprobs")).fill_null(0)
-        if not pc.all(pc.equal(num_tokens, num_logprobs)).as_py():
-            raise ValueError(
-                "response_logprobs and response_token_ids differ in length for some rows; old_logprobs='rollout' "
-                "and rollout_is_cap need one engine logprob per response token (use old_logprobs='recompute' "
-                "and rollout_is_cap=None, or regenerate the rollouts with logprobs)"
-            )
-
-
-def check_token_ids(table: pa.Table, *, vocab_size: int) -> None:
-    """Ids outside the embedding table mean the rollouts came from another tokenizer/model."""
-    for column in ("prompt_token_ids", "response_token_ids"):
-        ids = pc.list_flatten(table.column(column))
-        if len(ids) == 0:
-            continue
-        low, high = pc.min_max(ids).values()
-        if low.as_py() < 0 or high.as_py() >= vocab_size:
-            raise ValueError(
-                f"{column} holds ids in [{low.as_py()}, {high.as_py()}] but the policy's vocabulary has "
-                f"{vocab_size} entries; the rollouts must come from this policy's tokenizer"
-            )
-
-
 def samples_from_table(table: pa.Table) -> Samples:
+    """The rows of a table with the advantages-table columns, in its order, as Python lists."""
     columns = table.to_pydict()
     prompt_ids = columns["prompt_id"]
     _, group_N = np.unique(np.array(prompt_ids, dtype=object), return_inverse=True)

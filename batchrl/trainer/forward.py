@@ -11,20 +11,33 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from batchrl.algorithms.losses import entropy_from_logits, token_logprobs
 from batchrl.trainer.batching import plan_micro_batches, prompt_packs
-from batchrl.trainer.data import MicroBatch, Samples, first_logit_position, response_logits
+from batchrl.trainer.data import MicroBatch, first_logit_position, response_logits
 
 if TYPE_CHECKING:
     from batchrl.trainer.spec import UpdateSpec
 
 
+class SampleLengths(Protocol):
+    """What planning reads of the samples: `data.Samples` (rows in memory) and `index.SampleIndex` (small columns)
+    both have it."""
+
+    @property
+    def prompt_key_N(self) -> np.ndarray: ...  # equal for samples that may share a row
+    @property
+    def prompt_lengths_N(self) -> np.ndarray: ...
+    @property
+    def response_lengths_N(self) -> np.ndarray: ...
+
+
 def micro_batch_plan(
-    samples: Samples, indices: Sequence[int], *, spec: UpdateSpec, world_size: int
+    samples: SampleLengths, indices: Sequence[int], *, spec: UpdateSpec, world_size: int
 ) -> list[list[list[list[int]]]]:
     """plan[rank][k] = the packs (sample indices sharing a row, see `data.collate_packs`) of rank's k-th
     micro-batch of the samples `indices`. Without update.share_prompt every pack is one sample."""
@@ -37,7 +50,7 @@ def micro_batch_plan(
 
 
 def pack_plan(
-    samples: Samples,
+    samples: SampleLengths,
     indices: Sequence[int],
     *,
     share_prompt: bool,

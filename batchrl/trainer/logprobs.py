@@ -1,89 +1,230 @@
-"""Pre-update log-probs: the old (behaviour) policy's and the frozen reference's, once, before any step.
+"""Pre-update log-probs (the old policy's and the frozen reference's), a mini-batch at a time, and what a rank
+trains on in each optimizer step: its micro-batches, their rows and their per-token values.
 
-Why once and up front: PPO's ratio compares the policy being trained with the policy that was loaded, and the KL
-loss compares it with the reference; both are fixed for the whole update, so a no-grad pass over every sample
-before the first optimizer step gives every later micro-batch its values (and the log-probs table the stage
-publishes). The old log-probs come from the loaded policy (or the rollout engine, `update.old_logprobs`); the
-reference is loaded, sharded with FSDP too, used for this one pass and freed before training. Ranks compute
-disjoint samples and share them with one all-reduce of a flat per-token buffer.
+Why before any step: PPO's ratio compares the policy being trained with the policy that was loaded, and the KL loss
+compares it with the reference; both are fixed for the whole update, so they cannot be computed lazily once steps
+have changed the weights. The pass (`pre_update_pass`) therefore runs first, over epoch 0's mini-batches with the
+plan training will use (`micro_batch_plan`): a rank reads one mini-batch's share of rows at a time (`rows`), and
+writes what it computes to files in a rank-local scratch directory (`SpilledValues`: the page cache holds them,
+not the rank's memory) and to its part of the log-probs table (`checkpoint.LogprobsWriter`).
+
+Epochs reshuffle the mini-batches, so a rank may train on samples another rank computed. When a mini-batch trains,
+each rank fills a mini-batch-sized buffer with the values it holds and one SUM all-reduce (x + 0 = x, exact) gives
+every rank the whole mini-batch's (`SpilledValues.for_mini_batch`). Memory: one mini-batch of values per rank,
+where one buffer over every response token of the table used to be all-reduced once. The engine's own log-probs
+("rollout", with `update.old_logprobs: rollout` or truncated IS) come with the rows.
+
+The reference is loaded, sharded like the policy, used for this pass and freed before training; it is the policy
+itself when both name the same checkpoint (iteration 0).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from batchrl.trainer.batching import mini_batches
+from batchrl.trainer.checkpoint import LogprobsWriter
 from batchrl.trainer.data import Samples, collate_packs, scatter_response_values
 from batchrl.trainer.forward import micro_batch_plan, policy_logprobs
 from batchrl.trainer.fsdp import Dist, load_model, shard_model
+from batchrl.trainer.index import SampleIndex
+from batchrl.trainer.rows import RowReader
 from batchrl.trainer.spec import UpdateSpec
+
+
+def uses_rollout_logprobs(spec: UpdateSpec) -> bool:
+    """Whether the loss reads the engine's per-token log-probs (as the old policy, or for truncated IS)."""
+    return spec.update.old_logprobs == "rollout" or spec.update.rollout_is_cap is not None
+
+
+def mini_batch_options(spec: UpdateSpec) -> dict:
+    """`batching.mini_batches`' options for this update (the shuffles derive from the spec's seed)."""
+    return dict(groups_per_mini_batch=spec.update.ppo_mini_batch_size, seed=spec.seed)
+
+
+def own_share(rank_plan: list[list[list[int]]]) -> tuple[np.ndarray, list[list[list[int]]]]:
+    """(this rank's samples, sorted; its micro-batches with each sample replaced by its position among them)."""
+    mine = np.array(sorted({i for packs in rank_plan for pack in packs for i in pack}), dtype=np.int64)
+    position = {int(i): k for k, i in enumerate(mine)}
+    return mine, [[[position[i] for i in pack] for pack in packs] for packs in rank_plan]
+
+
+def token_positions(offsets_N1: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    """Positions in a flat per-token array (laid out by `offsets_N1`) of the tokens of samples `picks`, in order."""
+    starts, lengths = offsets_N1[picks], offsets_N1[picks + 1] - offsets_N1[picks]
+    before = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - before, lengths)
+
+
+class SpilledValues:
+    """The pre-update values ("old", "ref") of the samples this rank computed, in files under `scratch_dir`.
+
+    One float32 file per name, appended a mini-batch at a time; `offset_N` says where a sample this rank holds
+    starts (-1: another rank computed it). Reads are `pread`s of just the samples asked for.
+    """
+
+    def __init__(self, names: list[str], index: SampleIndex, scratch_dir: str):
+        self.names, self.index = names, index
+        self.offset_N = np.full(index.num_samples, -1, dtype=np.int64)
+        self._files = {name: open(Path(scratch_dir) / f"{name}.float32", "w+b") for name in names}
+        self._tokens = 0
+
+    def append(self, indices: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        """Record the flat values (`indices`' responses, concatenated in order) this rank computed."""
+        lengths = self.index.response_lengths_N[indices]
+        self.offset_N[indices] = self._tokens + np.cumsum(lengths) - lengths
+        for name, f in self._files.items():
+            f.write(np.ascontiguousarray(values[name], dtype=np.float32).tobytes())
+            f.flush()
+        self._tokens += int(lengths.sum())
+
+    def for_mini_batch(self, indices: np.ndarray, *, ctx: Dist) -> dict[str, np.ndarray]:
+        """{name: flat values of `indices`' responses, in order}, the same on every rank. A collective when there
+        is more than one rank and anything to share: every rank must call it with the same `indices`."""
+        if not self.names:
+            return {}
+        offsets = np.concatenate([[0], np.cumsum(self.index.response_lengths_N[indices])]).astype(np.int64)
+        buffer = np.zeros((len(self.names), int(offsets[-1])), dtype=np.float32)
+        for j in np.flatnonzero(self.offset_N[indices] >= 0):
+            count, start = int(offsets[j + 1] - offsets[j]), int(self.offset_N[indices[j]])
+            for row, f in enumerate(self._files.values()):
+                data = os.pread(f.fileno(), 4 * count, 4 * start)
+                buffer[row, offsets[j] : offsets[j + 1]] = np.frombuffer(data, dtype=np.float32)
+        if ctx.world_size > 1:
+            shared = torch.from_numpy(buffer).to(ctx.device)
+            dist.all_reduce(shared, op=dist.ReduceOp.SUM)
+            buffer = shared.cpu().numpy()
+        return {name: buffer[row] for row, name in enumerate(self.names)}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
 
 
 @torch.no_grad()
 def logprob_pass(
-    models: dict[str, torch.nn.Module], samples: Samples, *, spec: UpdateSpec, ctx: Dist, pad_token_id: int
+    models: dict[str, torch.nn.Module],
+    rows: Samples,
+    packs_plan: list[list[list[int]]],
+    *,
+    ctx: Dist,
+    pad_token_id: int,
 ) -> dict[str, np.ndarray]:
-    """Flat per-token log-probs of every sample under each named model (no grad), identical on every rank.
-
-    Each rank computes its share of the samples into a zero buffer; one SUM all-reduce (x + 0 = x, exact)
-    gives every rank every value. A model named twice runs once. FSDP2 keeps the root's parameters unsharded
-    after a forward (it expects a backward next); with no backward coming we reshard explicitly.
-    """
-    names = list(models)
-    buffer = torch.zeros((len(names), int(samples.response_offsets_N1[-1])), dtype=torch.float32, device=ctx.device)
-    plan = micro_batch_plan(samples, range(samples.num_samples), spec=spec, world_size=ctx.world_size)
-    for packs in plan[ctx.rank]:
-        mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=ctx.device)
+    """Flat per-token log-probs of `rows` under each named model (no grad), over this rank's micro-batches
+    `packs_plan` (positions in `rows`; as many as every other rank's, empty ones included: each forward is an FSDP
+    collective). A model named twice runs once."""
+    if not models:
+        return {}
+    buffer = torch.zeros((len(models), int(rows.response_offsets_N1[-1])), dtype=torch.float32)
+    for packs in packs_plan:
+        mb = collate_packs(rows, packs, pad_token_id=pad_token_id, device=ctx.device)
         by_model: dict[int, torch.Tensor] = {}
-        for row, name in enumerate(names):
-            model = models[name]
+        for row, model in enumerate(models.values()):
             if id(model) not in by_model:
-                by_model[id(model)] = policy_logprobs(model, mb, entropy_grad=False)[0]
-            scatter_response_values(by_model[id(model)], mb, samples, out_flat=buffer[row])
-    for model in {id(m): m for m in models.values()}.values():
-        model.reshard()
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-    return {name: buffer[row].cpu().numpy() for row, name in enumerate(names)}
+                by_model[id(model)] = policy_logprobs(model, mb, entropy_grad=False)[0].cpu()
+            scatter_response_values(by_model[id(model)], mb, rows, out_flat=buffer[row])
+    return {name: buffer[row].numpy() for row, name in enumerate(models)}
 
 
-def pre_update_logprobs(
-    policy: torch.nn.Module, samples: Samples, *, spec: UpdateSpec, ctx: Dist, pad_token_id: int
-) -> dict[str, np.ndarray]:
-    """The flat per-token arrays the loss needs: "old" always, "ref" with the KL loss, "rollout" with IS.
+def pre_update_pass(
+    policy: torch.nn.Module,
+    index: SampleIndex,
+    reader: RowReader,
+    *,
+    spec: UpdateSpec,
+    ctx: Dist,
+    pad_token_id: int,
+    scratch_dir: str,
+) -> SpilledValues:
+    """Compute this rank's share of the old/reference log-probs, epoch 0's mini-batch by mini-batch, before any
+    step; write its part of the log-probs table (`spec.logprobs_dir`). Returns where the values went."""
+    models, reference = _pass_models(policy, spec=spec, ctx=ctx)
+    spilled = SpilledValues(list(models), index, scratch_dir)
+    writer = LogprobsWriter(spec.logprobs_dir, rank=ctx.rank) if spec.logprobs_dir is not None else None
+    try:
+        if models or writer is not None:
+            for chunk in mini_batches(index.group_N, epoch=0, **mini_batch_options(spec)):
+                mine, packs_plan = own_share(
+                    micro_batch_plan(index, chunk, spec=spec, world_size=ctx.world_size)[ctx.rank]
+                )
+                rows = reader.read(mine)
+                values = logprob_pass(models, rows, packs_plan, ctx=ctx, pad_token_id=pad_token_id)
+                spilled.append(mine, values)
+                if writer is not None:
+                    old = values["old"] if "old" in values else rows.flat_rollout_logprobs()
+                    writer.write(rows, old_flat=old, ref_flat=values.get("ref"))
+        for model in {id(m): m for m in models.values()}.values():
+            model.reshard()  # FSDP2 keeps the root unsharded after a forward (it expects a backward)
+        if writer is not None:
+            writer.close()
+    finally:
+        if writer is not None:
+            writer.abort()
+        del models, reference
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return spilled
 
-    The reference is the policy itself when both name the same checkpoint (iteration 0), else it is loaded,
-    sharded like the policy, used for this pass and freed.
-    """
-    update = spec.update
-    values: dict[str, np.ndarray] = {}
-    if update.old_logprobs == "rollout" or update.rollout_is_cap is not None:
-        values["rollout"] = samples.flat_rollout_logprobs()
+
+def _pass_models(policy: torch.nn.Module, *, spec: UpdateSpec, ctx: Dist) -> tuple[dict, torch.nn.Module | None]:
+    """({"old": the policy with recomputed old log-probs, "ref": the reference with the KL loss}, the reference
+    when it was loaded for this pass, else None)."""
     models: dict[str, torch.nn.Module] = {}
-    if update.old_logprobs == "recompute":
+    if spec.update.old_logprobs == "recompute":
         models["old"] = policy
     reference = None
-    if update.kl_loss_coef > 0:
+    if spec.update.kl_loss_coef > 0:
         if same_checkpoint(spec.reference_policy, spec.policy_in):
             models["ref"] = policy
         else:
             reference = load_model(spec.reference_policy).requires_grad_(False)
-            shard_model(reference, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=update.cpu_offload)
+            shard_model(reference, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=spec.update.cpu_offload)
             reference.eval()
             models["ref"] = reference
-    if models:
-        values |= logprob_pass(models, samples, spec=spec, ctx=ctx, pad_token_id=pad_token_id)
-    if update.old_logprobs == "rollout":  # (UpdateConfig rejects rollout_is_cap with rollout old log-probs)
-        values["old"] = values.pop("rollout")
-    if reference is not None:
-        del models["ref"], reference
-        gc.collect()
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
-    return values
+    return models, reference
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """This rank's part of one mini-batch: its rows, its micro-batches (packs of positions in `rows`) and the
+    per-token values the loss needs (flat over `rows`: "old" always, "ref" with the KL loss, "rollout" with IS)."""
+
+    rows: Samples
+    packs_plan: list[list[list[int]]]
+    token_values: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class UpdateInputs:
+    """What the optimizer steps read: the index (the plan), the rows (read per mini-batch), the pre-update values."""
+
+    index: SampleIndex
+    reader: RowReader
+    spilled: SpilledValues
+    spec: UpdateSpec
+
+    def share(self, indices: np.ndarray, *, ctx: Dist) -> RankShare:
+        """This rank's share of the mini-batch `indices` (sorted). A collective (`SpilledValues.for_mini_batch`)."""
+        plan = micro_batch_plan(self.index, indices, spec=self.spec, world_size=ctx.world_size)
+        mine, packs_plan = own_share(plan[ctx.rank])
+        shared = self.spilled.for_mini_batch(indices, ctx=ctx)
+        offsets = np.concatenate([[0], np.cumsum(self.index.response_lengths_N[indices])]).astype(np.int64)
+        picks = token_positions(offsets, np.searchsorted(indices, mine))
+        token_values = {name: values[picks] for name, values in shared.items()}
+        rows = self.reader.read(mine)
+        if uses_rollout_logprobs(self.spec):
+            token_values["rollout"] = rows.flat_rollout_logprobs()
+        if self.spec.update.old_logprobs == "rollout":  # (UpdateConfig rejects rollout_is_cap with rollout old)
+            token_values["old"] = token_values.pop("rollout")
+        return RankShare(rows=rows, packs_plan=packs_plan, token_values=token_values)
 
 
 def same_checkpoint(a: str | None, b: str | None) -> bool:

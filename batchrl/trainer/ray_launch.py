@@ -10,14 +10,16 @@ Rank 0's actor picks the rendezvous (its node's IP and a free port) and the othe
 Each actor stages its own data, because it may run on a node where the driver's scratch paths do not exist. The
 spec's path fields are therefore read as URIs of the run directory (local paths or s3://...), not as copies made
 by the driver:
-- inputs: the advantages parts and the previous trainer state are downloaded into the actor's node-local scratch
-  directory when they are on object storage (read in place when local); the input and reference policies go
+- inputs: the advantages parts are read in place by the worker (local or s3://, only the rows the rank trains on);
+  the previous trainer state is downloaded into the actor's node-local scratch directory when it is on object
+  storage (read in place when local); the input and reference policies go
   through `local_copy` (downloaded once per node into its model cache). A downloaded trainer state is checked
   whole against `trainer_state_sha256` by each actor before the worker loads it (each node has its own copy, and
   the worker's check shares the hashing out among the ranks: of one copy, it would vouch for the others);
 - outputs: the worker writes into the scratch directory, then each actor uploads what its own rank wrote: rank 0
-  the HF policy (into `policy_out`), the log-probs table and the trainer state's `trainer_state.json` and DCP
-  `.metadata`; every rank its own DCP shard files (`__<rank>_*.distcp`, see `checkpoint.save_trainer_state`).
+  the HF policy (into `policy_out`) and the trainer state's `trainer_state.json` and DCP `.metadata`; every rank
+  its part of the log-probs table and its own DCP shard files (`__<rank>_*.distcp`, see
+  `checkpoint.save_trainer_state`).
   Each actor has a scratch directory of its own, so "what this rank wrote" is simply all of it. The uploads come
   back as (uri, sha256, size), so the caller can list them in a manifest without reading them back;
   `metrics_path` is written by the driver.
@@ -130,7 +132,7 @@ def check_reachable_from_all_nodes(spec: UpdateSpec, *, num_nodes: int, probe: P
         for name, uri in (
             ("policy_out", spec.policy_out),
             ("trainer_state_out", spec.trainer_state_out),
-            ("logprobs_out", spec.logprobs_out),
+            ("logprobs_dir", spec.logprobs_dir),
         )
         if uri is not None and is_local(uri)
     }
@@ -209,27 +211,23 @@ def stage_inputs(spec: UpdateSpec, scratch: Path) -> UpdateSpec:
         spec,
         policy_in=local_copy(spec.policy_in),
         reference_policy=None if spec.reference_policy is None else local_copy(spec.reference_policy),
-        advantages_files=[
-            _local_file(uri, scratch / "advantages" / f"{i:05d}-{uri.rsplit('/', 1)[-1]}")
-            for i, uri in enumerate(spec.advantages_files)
-        ],
         trainer_state_in=trainer_state_in,
         policy_out=str(scratch / "policy"),
         metrics_path=str(scratch / "metrics.json"),
         trainer_state_out=None if spec.trainer_state_out is None else str(scratch / "trainer_state"),
-        logprobs_out=None if spec.logprobs_out is None else str(scratch / "logprobs.parquet"),
+        logprobs_dir=None if spec.logprobs_dir is None else str(scratch / "logprobs"),
     )
 
 
 def upload_outputs(local_spec: UpdateSpec, spec: UpdateSpec, *, rank: int) -> list[UploadedFile]:
-    """Copy what this rank wrote under `local_spec`'s outputs to `spec`'s: rank 0 the policy and log-probs, every
-    rank its trainer-state files (whatever is in its own scratch directory). Rank 0's trainer_state.json sorts
-    after optimizer/, so it is uploaded last, as the checkpoint writes it last."""
+    """Copy what this rank wrote under `local_spec`'s outputs to `spec`'s: rank 0 the policy, every rank its part of
+    the log-probs table and its trainer-state files (whatever is in its own scratch directory). Rank 0's
+    trainer_state.json sorts after optimizer/, so it is uploaded last, as the checkpoint writes it last."""
     uploaded = []
     if rank == 0:
         uploaded += _upload_dir(Path(local_spec.policy_out), spec.policy_out)
-        if spec.logprobs_out is not None:
-            uploaded.append(_upload(Path(local_spec.logprobs_out), spec.logprobs_out))
+    if spec.logprobs_dir is not None:
+        uploaded += _upload_dir(Path(local_spec.logprobs_dir), spec.logprobs_dir)
     if spec.trainer_state_out is not None:
         uploaded += _upload_dir(Path(local_spec.trainer_state_out), spec.trainer_state_out)
     return uploaded
@@ -326,15 +324,6 @@ def _cluster_backend(backend: str) -> str:
     import ray
 
     return "nccl" if ray.cluster_resources().get("GPU", 0) >= 1 else "gloo"
-
-
-def _local_file(uri: str, target: Path) -> str:
-    if is_local(uri):
-        return uri.removeprefix("file://")
-    fs, path = resolve(uri)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fs.get_file(path, str(target))
-    return str(target)
 
 
 def _local_dir(uri: str, target: Path) -> str:

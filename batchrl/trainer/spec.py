@@ -37,7 +37,8 @@ class UpdateSpec:
 
     policy_in: str  # local dir of an HF checkpoint, or a hub id
     policy_out: str  # local dir to write; replaced atomically by rename
-    advantages_files: list[str]  # local Parquet paths with the advantages-table columns
+    # Parquet parts with the advantages-table columns: local paths or URIs (s3://...), which each rank reads in place
+    advantages_files: list[str]
     metrics_path: str  # local JSON file that rank 0 writes after saving the policy
     update: UpdateConfig = dataclasses.field(default_factory=UpdateConfig)  # the run's update options
     seed: int = 0  # mini-batch shuffles derive from (seed, epoch); the stage passes run.seed + iteration
@@ -49,7 +50,8 @@ class UpdateSpec:
     # because loading unpickles them (see `integrity`). None: not checked (a state saved before they were recorded)
     trainer_state_sha256: dict[str, str] | None = None
     trainer_state_out: str | None = None  # local dir for the optimizer state and step count (None: not saved)
-    logprobs_out: str | None = None  # local Parquet file for the per-sample old/reference log-probs
+    # local dir for the per-sample old/reference log-probs table: each rank writes part-<rank>.parquet
+    logprobs_dir: str | None = None
     progress_path: str | None = None  # local JSON-lines file rank 0 appends progress to (see progress_file)
 
     def __post_init__(self) -> None:

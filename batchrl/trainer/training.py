@@ -4,7 +4,8 @@ Why a module of its own: this is the algorithm, the part a reader compares with 
 is kept apart from how ranks start, load and save (`worker`, `fsdp`) and from the pre-update pass (`logprobs`).
 
 - Each epoch shuffles the prompt groups into mini-batches; one optimizer step per mini-batch, with gradient
-  accumulation over token-budget (or fixed-count) micro-batches. Token losses are divided by the mini-batch's
+  accumulation over token-budget (or fixed-count) micro-batches. A rank reads the rows of its micro-batches when
+  their mini-batch trains (`logprobs.UpdateInputs`). Token losses are divided by the mini-batch's
   GLOBAL token/sequence counts, so the per-rank losses sum to the single-process loss; FSDP is told to SUM (not
   average) gradients across ranks, so the gradient equals the single-process gradient for any world size. Ranks
   with fewer micro-batches run empty ones: every FSDP forward/backward is a collective.
@@ -34,9 +35,10 @@ from batchrl.algorithms.losses import (
     truncated_is_weights,
 )
 from batchrl.trainer.batching import mini_batches
-from batchrl.trainer.data import MicroBatch, Samples, collate_packs
-from batchrl.trainer.forward import micro_batch_plan, policy_logprobs
+from batchrl.trainer.data import MicroBatch, collate_packs
+from batchrl.trainer.forward import policy_logprobs
 from batchrl.trainer.fsdp import Dist
+from batchrl.trainer.logprobs import UpdateInputs, mini_batch_options
 from batchrl.trainer.progress_file import ProgressWriter
 from batchrl.trainer.schedule import lr_at_step, resolve_warmup_steps
 from batchrl.trainer.spec import UpdateSpec
@@ -118,9 +120,8 @@ def micro_batch_backward(
 def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    samples: Samples,
+    inputs: UpdateInputs,
     indices: np.ndarray,
-    token_values: dict[str, np.ndarray],
     *,
     spec: UpdateSpec,
     ctx: Dist,
@@ -128,18 +129,20 @@ def optimizer_step(
     lr: float,
 ) -> dict[str, float] | None:
     """One optimizer step on the mini-batch `indices` (gradient accumulation); None if it has no loss tokens."""
-    loss_tokens = samples.loss_tokens_N[indices]
+    loss_tokens = inputs.index.loss_tokens_N[indices]
     num_tokens, num_seqs = int(loss_tokens.sum()), int((loss_tokens > 0).sum())
     if num_tokens == 0:
         logger.warning("a mini-batch of %d samples has no response tokens; no optimizer step for it", len(indices))
         return None
-    plan = micro_batch_plan(samples, indices, spec=spec, world_size=ctx.world_size)
+    share = inputs.share(indices, ctx=ctx)  # this rank's micro-batches, rows and old/ref values
     optimizer.zero_grad(set_to_none=True)
     sums = torch.zeros(len(SUM_NAMES), dtype=torch.float64, device=ctx.device)
-    for k, packs in enumerate(plan[ctx.rank]):
+    for k, packs in enumerate(share.packs_plan):
         if ctx.world_size == 1 and not spec.update.cpu_offload:  # one rank: sharded = unsharded, skip copies
-            model.set_requires_gradient_sync(k == len(plan[ctx.rank]) - 1)
-        mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=ctx.device, token_values=token_values)
+            model.set_requires_gradient_sync(k == len(share.packs_plan) - 1)
+        mb = collate_packs(
+            share.rows, packs, pad_token_id=pad_token_id, device=ctx.device, token_values=share.token_values
+        )
         sums += micro_batch_backward(model, mb, spec=spec, num_tokens=num_tokens, num_seqs=num_seqs)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     total = dict(zip(SUM_NAMES, sums.tolist()))
@@ -209,8 +212,7 @@ def lr_schedule_for(spec: UpdateSpec, *, steps_per_update: int) -> dict:
 def train(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    samples: Samples,
-    token_values: dict[str, np.ndarray],
+    inputs: UpdateInputs,
     *,
     spec: UpdateSpec,
     ctx: Dist,
@@ -223,16 +225,16 @@ def train(
     `progress` gets one record per mini-batch (done / planned steps and the step's pg_loss, grad_norm, lr).
     """
     progress = progress or ProgressWriter(None)
-    batches = dict(groups_per_mini_batch=spec.update.ppo_mini_batch_size, seed=spec.seed)
-    steps_per_update = spec.update.ppo_epochs * len(mini_batches(samples.group_N, epoch=0, **batches))
+    batches, group_N = mini_batch_options(spec), inputs.index.group_N
+    steps_per_update = spec.update.ppo_epochs * len(mini_batches(group_N, epoch=0, **batches))
     schedule = lr_schedule_for(spec, steps_per_update=steps_per_update)
     step, step_metrics, done = start_step, [], 0
     progress.write({"phase": "train", "done": 0, "total": steps_per_update})
     for epoch in range(spec.update.ppo_epochs):
-        for indices in mini_batches(samples.group_N, epoch=epoch, **batches):
+        for indices in mini_batches(group_N, epoch=epoch, **batches):
             lr, started = lr_at_step(step, **schedule), time.perf_counter()
             metrics = optimizer_step(
-                model, optimizer, samples, indices, token_values, spec=spec, ctx=ctx, pad_token_id=pad_token_id, lr=lr
+                model, optimizer, inputs, indices, spec=spec, ctx=ctx, pad_token_id=pad_token_id, lr=lr
             )
             done += 1
             if metrics is None:
@@ -249,7 +251,12 @@ def train(
                     "lr": lr,
                 }
             )
-            step_metrics.append(metrics | {"actor/lr": lr, "perf/step_time_s": time.perf_counter() - started})
+            # staleness: optimizer steps this update took before this one, i.e. since the rollout's policy
+            staleness = float(step - start_step)
+            step_metrics.append(
+                metrics
+                | {"actor/lr": lr, "perf/step_time_s": time.perf_counter() - started, "update/staleness": staleness}
+            )
             step += 1
             logger.info("epoch %d, step %d: %s", epoch, step, metrics)
     if not step_metrics:
@@ -258,13 +265,17 @@ def train(
 
 
 def summarize(step_metrics: list[dict[str, float]], *, spec: UpdateSpec, global_step: int) -> dict[str, float]:
-    """Means over optimizer steps of the per-step metrics; the last lr; the fastest step; token totals."""
+    """Means over optimizer steps of the per-step metrics; the last lr; the fastest step; token totals; the mean
+    and largest staleness (optimizer steps taken since the rollout's policy: step k of the update has k)."""
     summed = {"perf/padded_tokens", "perf/real_tokens"}
     metrics = {
         name: sum(m[name] for m in step_metrics) / len(step_metrics)
         for name in step_metrics[0]
-        if name not in summed | {"actor/lr"}
+        if name not in summed | {"actor/lr", "update/staleness"}
     }
+    staleness = [m["update/staleness"] for m in step_metrics]
+    metrics["update/staleness_mean"] = sum(staleness) / len(staleness)
+    metrics["update/staleness_max"] = max(staleness)
     metrics |= {name: sum(m[name] for m in step_metrics) for name in summed}
     metrics["actor/lr"] = step_metrics[-1]["actor/lr"]
     metrics["perf/step_time_min_s"] = min(m["perf/step_time_s"] for m in step_metrics)

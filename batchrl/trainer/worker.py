@@ -5,10 +5,14 @@ process per device, and a crashed or NaN update must not take the pipeline drive
 
 This module is the rank's lifecycle: read the spec, set up (`fsdp`), build or reuse the model and optimizer,
 run one update, save, report. What one update does (PPO-clip or GSPO, as in GRPO):
-1. Every rank reads the whole advantages table, sorted by (prompt_id, sample_idx), so all ranks agree on
-   validation failures and can compute the same batching plan for every rank (`batching`) without talking.
-2. Pre-update log-probs, once, before any step (`logprobs`).
-3. The optimizer steps, epoch by epoch and mini-batch by mini-batch (`training`).
+1. Every rank reads the small columns of the advantages table (`index`: keys, lengths, advantages), sorted by
+   (prompt_id, sample_idx), so it can compute the same batching plan for every rank (`batching`) without talking;
+   the list columns are checked in streamed passes shared out among the ranks, and every rank raises the same
+   error, before anything is loaded.
+2. Pre-update log-probs, before any step, a mini-batch at a time (`logprobs`); each rank reads only the rows of
+   its own micro-batches (`rows`), from local paths or object storage, in place.
+3. The optimizer steps, epoch by epoch and mini-batch by mini-batch (`training`), reading each mini-batch's rows
+   when it trains.
 4. The optimizer state (sharded, DCP) and the HF checkpoint are written (`checkpoint`); rank 0 writes the metrics
    last.
 
@@ -34,6 +38,7 @@ import logging
 import os
 import select
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,19 +46,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from batchrl.trainer.checkpoint import (
-    load_trainer_state,
-    save_policy,
-    save_trainer_state,
-    write_json_atomic,
-    write_logprobs,
-)
-from batchrl.trainer.data import check_advantages, check_token_ids, read_advantages, samples_from_table
+from batchrl.trainer.checkpoint import load_trainer_state, save_policy, save_trainer_state, write_json_atomic
 from batchrl.trainer.forward import check_attention
 from batchrl.trainer.fsdp import Dist, init_distributed, load_model, set_dropout_free_mode, shard_model
+from batchrl.trainer.index import (
+    ListScan,
+    SampleIndex,
+    check_advantages,
+    check_lists,
+    check_token_ids,
+    read_index,
+    scan_part,
+)
 from batchrl.trainer.integrity import TrainerStateError, check_digests, write_error
-from batchrl.trainer.logprobs import pre_update_logprobs
+from batchrl.trainer.logprobs import UpdateInputs, pre_update_pass, uses_rollout_logprobs
 from batchrl.trainer.progress_file import ProgressWriter
+from batchrl.trainer.rows import RowReader
 from batchrl.trainer.spec import UpdateSpec
 from batchrl.trainer.training import new_optimizer, summarize, train
 
@@ -72,7 +80,7 @@ PER_UPDATE_FIELDS = frozenset(
         "trainer_state_in",
         "trainer_state_sha256",
         "trainer_state_out",
-        "logprobs_out",
+        "logprobs_dir",
         "progress_path",
     }
 )
@@ -204,10 +212,7 @@ def update(
     """
     torch.manual_seed(spec.seed)
     start = time.perf_counter()
-    table = read_advantages(spec.advantages_files)
-    uses_rollout_logprobs = spec.update.old_logprobs == "rollout" or spec.update.rollout_is_cap is not None
-    check_advantages(table, needs_rollout_logprobs=uses_rollout_logprobs)
-    samples = samples_from_table(table)
+    index, scans = checked_index(spec, ctx=ctx)
     state_files = verified_trainer_state(spec, ctx=ctx)
     reused = can_reuse(kept, spec, ctx=ctx, state_files=state_files)
     if reused:
@@ -217,35 +222,33 @@ def update(
         gc.collect()
         model, optimizer, tokenizer, start_step = build_trainer(spec, ctx=ctx)
     kept = None
-    check_token_ids(table, vocab_size=model.get_input_embeddings().num_embeddings)
+    check_token_ids(scans, vocab_size=model.get_input_embeddings().num_embeddings)
     check_attention(model, share_prompt=spec.update.share_prompt)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    reader = RowReader(index, with_rollout_logprobs=uses_rollout_logprobs(spec))
     load_time = time.perf_counter() - start
 
     progress = ProgressWriter(spec.progress_path if ctx.rank == 0 else None)
     progress.write({"phase": "logprobs"})
     logprob_start = time.perf_counter()
-    token_values = pre_update_logprobs(model, samples, spec=spec, ctx=ctx, pad_token_id=pad_token_id)
-    if ctx.rank == 0 and spec.logprobs_out is not None:
-        write_logprobs(
-            samples,
-            old_flat=token_values["old"],
-            ref_flat=token_values.get("ref"),
-            loss_tokens_N=samples.loss_tokens_N,
-            path=spec.logprobs_out,
+    with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{ctx.rank}-") as scratch:
+        spilled = pre_update_pass(
+            model, index, reader, spec=spec, ctx=ctx, pad_token_id=pad_token_id, scratch_dir=scratch
         )
-    train_start = time.perf_counter()
-    step_metrics, global_step = train(
-        model,
-        optimizer,
-        samples,
-        token_values,
-        spec=spec,
-        ctx=ctx,
-        pad_token_id=pad_token_id,
-        start_step=start_step,
-        progress=progress,
-    )
+        train_start = time.perf_counter()
+        try:
+            step_metrics, global_step = train(
+                model,
+                optimizer,
+                UpdateInputs(index=index, reader=reader, spilled=spilled, spec=spec),
+                spec=spec,
+                ctx=ctx,
+                pad_token_id=pad_token_id,
+                start_step=start_step,
+                progress=progress,
+            )
+        finally:
+            spilled.close()
     train_time = time.perf_counter() - train_start
     progress.write({"phase": "save"})
     progress.close()
@@ -270,8 +273,8 @@ def update(
     metrics |= {
         "actor/optimizer_state_restored": float(spec.trainer_state_in is not None),
         "actor/trainer_reused": float(reused),
-        "perf/num_tokens": float(samples.loss_tokens_N.sum()),
-        "perf/num_samples": float(samples.num_samples),
+        "perf/num_tokens": float(index.loss_tokens_N.sum()),
+        "perf/num_samples": float(index.num_samples),
         "perf/update_time_s": save_start - logprob_start,
         "perf/logprob_time_s": train_start - logprob_start,
         "perf/train_time_s": train_time,
@@ -280,6 +283,24 @@ def update(
         "perf/save_time_s": save_time,
     }
     return (metrics if ctx.rank == 0 else None), kept
+
+
+def checked_index(spec: UpdateSpec, *, ctx: Dist) -> tuple[SampleIndex, list[ListScan]]:
+    """The advantages table's index, and the scans of its list columns, checked before anything is loaded.
+
+    Every rank reads the small columns of every part (the same plan everywhere) and scans the list columns of
+    every world_size-th part; the scans are gathered, so every rank raises the same error. A collective."""
+    index = read_index(spec.advantages_files)
+    check_advantages(index)
+    mine = [
+        scan_part(index, part, check_rollout_logprobs=uses_rollout_logprobs(spec))
+        for part in range(ctx.rank, len(index.files), ctx.world_size)
+    ]
+    gathered: list[list[ListScan] | None] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, mine)
+    scans = sorted((scan for part in gathered for scan in part), key=lambda scan: scan.part)
+    check_lists(scans)
+    return index, scans
 
 
 def serve() -> None:

@@ -101,6 +101,9 @@ def test_advantages_are_group_relative_and_exploded_to_one_row_per_sample():
     np.testing.assert_array_equal(out.column("advantage").to_numpy()[4:], 0.0)  # all-equal group
     assert out.column("response_token_ids").to_pylist()[2] == [3, 3, 3]
     assert out.column("response_logprobs").to_pylist()[1] == [-0.5, -0.5]
+    # the update plans from these two small columns without reading the lists
+    assert out.column("prompt_length").to_pylist() == [2] * 8
+    assert out.column("response_length").to_pylist() == [1, 2, 3, 4] * 2
     assert counts["groups"] == 2 and counts["groups_all_equal"] == 1
 
 

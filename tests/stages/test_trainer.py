@@ -190,6 +190,7 @@ def test_each_epoch_takes_one_optimizer_step_per_mini_batch_of_prompts(update):
     metrics, _ = update(1, "full")  # 4 prompts in mini-batches of 2, 2 epochs
 
     assert metrics["actor/num_optimizer_steps"] == 4 and metrics["actor/global_step"] == 4
+    assert metrics["update/staleness_max"] == 3 and metrics["update/staleness_mean"] == 1.5  # steps 0, 1, 2, 3
     assert metrics["actor/kl_loss"] > 0 and metrics["actor/kl_coef"] == 0.1  # the reference differs from the policy
     assert 0 < metrics["actor/rollout_is_weight_mean"] <= 2.0
     # warmup (1/3, 2/3 of lr) then cosine over the remaining 2 steps: the last step is at half of lr
@@ -228,5 +229,22 @@ def test_a_nan_rollout_logprob_stops_the_update_at_the_loss_before_the_optimizer
         backend="gloo",
     )
     with pytest.raises(RuntimeError, match="policy loss is nan"):
+        run_update(spec, timeout_s=TIMEOUT_S)
+    assert not Path(spec.policy_out).exists()
+
+
+def test_token_ids_outside_the_vocabulary_stop_both_ranks_before_any_step(tmp_path, tiny_policy, vocab_size):
+    rows = synthetic_rows(vocab_size=vocab_size, seed=1)
+    # in the second part, which the second rank scans: the first rank learns of it from the gathered scans
+    next(r for r in rows[len(rows) // 2 :] if r["response_token_ids"])["response_token_ids"][-1] = vocab_size
+    spec = make_spec(
+        policy_in=str(tiny_policy),
+        policy_out=str(tmp_path / "policy"),
+        advantages_files=write_advantages(rows, tmp_path / "advantages"),
+        metrics_path=str(tmp_path / "metrics.json"),
+        num_processes=2,
+        backend="gloo",
+    )
+    with pytest.raises(RuntimeError, match=rf"response_token_ids holds ids in \[\d+, {vocab_size}\] but the policy"):
         run_update(spec, timeout_s=TIMEOUT_S)
     assert not Path(spec.policy_out).exists()

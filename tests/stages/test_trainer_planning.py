@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 import torch
-from trainer_helpers import make_spec
+from trainer_helpers import make_spec, synthetic_rows, write_advantages
 
 from batchrl.trainer import UpdateSpec, run_update
 from batchrl.trainer.batching import mini_batches, padded_tokens, padding_ratio, plan_micro_batches
@@ -100,6 +103,151 @@ def test_exactly_one_micro_batch_limit_must_be_given():
         plan_micro_batches([1, 2], world_size=1)
     with pytest.raises(ValueError, match="exactly one"):
         plan_micro_batches([1, 2], world_size=1, max_tokens=10, max_samples=2)
+
+
+# ------------------------------------------------------------------------------ planning from the index
+
+
+def whole_table_samples(files: list[str]):
+    """The plan's input as every rank built it before the index: the whole table, sorted, as Python lists."""
+    from batchrl.trainer.data import samples_from_table
+    from batchrl.trainer.index import ADVANTAGE_COLUMNS
+
+    table = pa.concat_tables(pq.read_table(path, columns=list(ADVANTAGE_COLUMNS)) for path in files)
+    return samples_from_table(table.sort_by([("prompt_id", "ascending"), ("sample_idx", "ascending")]))
+
+
+@pytest.mark.parametrize("lengths", [True, False], ids=["length-columns", "earlier-table"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(micro_batch_size=3),
+        dict(max_tokens_per_micro_batch=40, ppo_mini_batch_size=2),
+        dict(max_tokens_per_micro_batch=60, ppo_mini_batch_size=3, share_prompt=True),
+    ],
+    ids=["fixed-count", "token-budget", "shared-prompts"],
+)
+def test_the_index_of_small_columns_plans_exactly_what_the_whole_table_planned(tmp_path, lengths, options):
+    from batchrl.trainer.forward import micro_batch_plan
+    from batchrl.trainer.index import read_index
+
+    rows = synthetic_rows(vocab_size=300, num_prompts=7, samples_per_prompt=4, seed=5)
+    files = write_advantages(rows, tmp_path, lengths=lengths, row_group_size=5)
+    samples, index = whole_table_samples(files), read_index(files)
+
+    assert index.prompt_ids.to_pylist() == samples.prompt_ids
+    assert index.sample_idx_N.tolist() == samples.sample_idx
+    np.testing.assert_array_equal(index.group_N, samples.group_N)
+    np.testing.assert_array_equal(index.lengths_N, samples.lengths_N)
+    np.testing.assert_array_equal(index.loss_tokens_N, samples.loss_tokens_N)
+    np.testing.assert_array_equal(index.advantages_N, samples.advantages_N)
+    spec = make_spec(policy_in="p", policy_out="o", advantages_files=files, metrics_path="m", **options)
+    batches = dict(groups_per_mini_batch=spec.update.ppo_mini_batch_size, seed=3)
+    for epoch in (0, 1):
+        by_table = mini_batches(samples.group_N, epoch=epoch, **batches)
+        by_index = mini_batches(index.group_N, epoch=epoch, **batches)
+        assert [b.tolist() for b in by_index] == [b.tolist() for b in by_table]
+        for indices in by_index:
+            for world_size in (1, 2, 3):
+                plan = micro_batch_plan(index, indices, spec=spec, world_size=world_size)
+                assert plan == micro_batch_plan(samples, indices, spec=spec, world_size=world_size)
+
+
+def test_the_index_finds_each_sample_at_its_part_and_row(tmp_path):
+    from batchrl.trainer.index import read_index
+
+    rows = synthetic_rows(vocab_size=300, num_prompts=3, samples_per_prompt=2, seed=1)
+    files = write_advantages(rows, tmp_path)
+    index = read_index(files)
+
+    parts = [pq.read_table(path).to_pylist() for path in files]
+    for i in range(index.num_samples):
+        row = parts[index.part_N[i]][index.row_N[i]]
+        assert (row["prompt_id"], row["sample_idx"]) == (index.prompt_ids[i].as_py(), index.sample_idx_N[i])
+    positions = np.concatenate([index.rows_of_part(part) for part in range(len(files))])
+    assert sorted(positions.tolist()) == list(range(index.num_samples))
+    assert index.row_N[index.rows_of_part(1)].tolist() == list(range(len(parts[1])))
+
+
+def scans_of(files: list[str], *, check_rollout_logprobs: bool = True):
+    from batchrl.trainer.index import read_index, scan_part
+
+    index = read_index(files)
+    return [scan_part(index, part, check_rollout_logprobs=check_rollout_logprobs) for part in range(len(files))]
+
+
+def test_streamed_checks_find_ids_outside_the_vocabulary_in_any_part(tmp_path):
+    from batchrl.trainer.index import check_lists, check_token_ids
+
+    rows = synthetic_rows(vocab_size=300, num_prompts=4, samples_per_prompt=3, seed=2)
+    scans = scans_of(write_advantages(rows, tmp_path / "good", row_group_size=4))
+    check_lists(scans)
+    check_token_ids(scans, vocab_size=300)
+    next(r for r in rows[len(rows) // 2 :] if r["response_token_ids"])["response_token_ids"][0] = 300
+    bad = scans_of(write_advantages(rows, tmp_path / "bad", row_group_size=4))
+    with pytest.raises(ValueError, match=r"response_token_ids holds ids in \[\d+, 300\] but the policy's vocabulary"):
+        check_token_ids(bad, vocab_size=300)
+    check_token_ids(bad, vocab_size=301)
+
+
+def test_streamed_checks_find_engine_logprobs_missing_for_some_response_tokens(tmp_path):
+    from batchrl.trainer.index import check_lists
+
+    rows = synthetic_rows(vocab_size=300, num_prompts=4, samples_per_prompt=3, seed=2)
+    next(r for r in rows if r["response_token_ids"])["response_logprobs"].pop()
+    files = write_advantages(rows, tmp_path, row_group_size=4)
+    with pytest.raises(ValueError, match="response_logprobs and response_token_ids differ in length"):
+        check_lists(scans_of(files))
+    check_lists(scans_of(files, check_rollout_logprobs=False))  # recomputed old log-probs do not read them
+
+
+def test_a_length_column_that_does_not_count_its_list_is_an_error_naming_the_file(tmp_path):
+    from batchrl.trainer.index import check_lists
+
+    files = write_advantages(synthetic_rows(vocab_size=300, seed=2), tmp_path)
+    table = pq.read_table(files[1])
+    lengths = pc.add(table.column("response_length"), 1).cast(pa.int32())
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("response_length"), "response_length", lengths), files[1]
+    )
+    with pytest.raises(ValueError, match=r"part-00001.parquet: \d+ row\(s\) have another number of response_token_ids"):
+        check_lists(scans_of(files))
+
+
+def test_a_part_without_the_advantages_columns_is_named(tmp_path):
+    from batchrl.trainer.index import read_index
+
+    files = write_advantages(synthetic_rows(vocab_size=300, seed=2), tmp_path)
+    pq.write_table(pq.read_table(files[0]).drop_columns(["advantage"]), files[0])
+    with pytest.raises(ValueError, match=r"part-00000.parquet lacks advantages-table columns \['advantage'\]"):
+        read_index(files)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_index([str(tmp_path / "gone.parquet")])
+
+
+def test_a_rank_reads_the_rows_it_asks_for_from_any_row_group_in_its_order(tmp_path):
+    from batchrl.trainer.index import read_index
+    from batchrl.trainer.rows import RowReader
+
+    files = write_advantages(
+        synthetic_rows(vocab_size=300, num_prompts=5, samples_per_prompt=3, seed=4), tmp_path, row_group_size=2
+    )
+    samples, index = whole_table_samples(files), read_index(files)
+    wanted = np.array([13, 0, 7, 6, 2])  # several parts and row groups, not sorted
+    rows = RowReader(index, with_rollout_logprobs=True).read(wanted)
+
+    assert rows.prompt_ids == [samples.prompt_ids[i] for i in wanted]
+    assert rows.sample_idx == [samples.sample_idx[i] for i in wanted]
+    assert [p.tolist() for p in rows.prompt_token_ids] == [samples.prompt_token_ids[i] for i in wanted]
+    assert [r.tolist() for r in rows.response_token_ids] == [samples.response_token_ids[i] for i in wanted]
+    np.testing.assert_array_equal(
+        rows.flat_rollout_logprobs(), np.concatenate([np.float32(samples.rollout_logprobs[i]) for i in wanted])
+    )
+    np.testing.assert_array_equal(rows.advantages_N, samples.advantages_N[wanted])
+    assert (
+        rows.response_offsets_N1.tolist()
+        == np.cumsum([0] + [len(samples.response_token_ids[i]) for i in wanted]).tolist()
+    )
 
 
 # ------------------------------------------------------------------------------------- lr schedule

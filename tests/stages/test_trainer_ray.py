@@ -70,7 +70,7 @@ def two_updates(launch, *, out: Path, policies, advantages_files) -> list[Path]:
             reference_policy=str(reference),
             trainer_state_in=None if index == 0 else str(outs[0] / "trainer_state"),
             trainer_state_out=str(update_out / "trainer_state"),
-            logprobs_out=str(update_out / "logprobs.parquet"),
+            logprobs_dir=str(update_out / "logprobs"),
             seed=index,
             **OPTIONS,
         )
@@ -129,7 +129,7 @@ def test_ray_actors_train_the_same_weights_as_local_processes_and_upload_every_r
     for local_out, ray_out in zip(local, on_ray):
         weights_local, weights_ray = load_weights(local_out / "policy"), load_weights(ray_out / "policy")
         assert max((weights_local[k] - weights_ray[k]).abs().max().item() for k in weights_local) <= 1e-6
-        assert same_logprobs(pq.read_table(local_out / "logprobs.parquet"), pq.read_table(ray_out / "logprobs.parquet"))
+        assert same_logprobs(pq.read_table(local_out / "logprobs"), pq.read_table(ray_out / "logprobs"))
         assert sorted(p.relative_to(local_out).as_posix() for p in local_out.rglob("*") if p.is_file()) == sorted(
             p.relative_to(ray_out).as_posix() for p in ray_out.rglob("*") if p.is_file()
         )
@@ -139,6 +139,8 @@ def test_ray_actors_train_the_same_weights_as_local_processes_and_upload_every_r
         ".metadata",
         "trainer_state.json",
         "model.safetensors",
+        "part-00000.parquet",  # each rank's part of the log-probs table
+        "part-00001.parquet",
     }
     assert all(Path(f.uri).stat().st_size == f.num_bytes for f in results[0].uploaded)
     assert results[1].metrics["actor/optimizer_state_restored"] == 1.0 and results[1].metrics["actor/kl_loss"] > 0

@@ -65,7 +65,7 @@ def runs(workdir, tiny_policy, advantages_files):
             policy_out=str(workdir / name / "policy"),
             advantages_files=advantages_files,
             metrics_path=str(workdir / name / "metrics.json"),
-            logprobs_out=str(workdir / name / "logprobs.parquet"),
+            logprobs_dir=str(workdir / name / "logprobs"),
             **options,
         )
 
@@ -152,7 +152,7 @@ def test_a_trainer_state_file_that_does_not_hash_as_recorded_is_refused_before_i
         trainer_state_out=None,
         policy_out=str(tmp_path / "policy"),
         metrics_path=str(tmp_path / "metrics.json"),
-        logprobs_out=str(tmp_path / "logprobs.parquet"),
+        logprobs_dir=str(tmp_path / "logprobs"),
     )
     try:
         with pytest.raises(TrainerStateError, match=r"optimizer/\.metadata: sha256 .* is not the .* recorded"):
@@ -166,7 +166,13 @@ def test_a_trainer_state_file_that_does_not_hash_as_recorded_is_refused_before_i
 def test_the_kl_loss_is_zero_at_the_first_step_when_the_reference_is_the_policy(runs):
     metrics, spec = runs("first")
     assert metrics["actor/kl_loss"] == 0.0 and metrics["actor/kl_coef"] == 0.5
-    logprobs = pq.read_table(spec.logprobs_out).to_pylist()
+    # each of the 2 ranks wrote the samples it computed: together, every sample once
+    assert sorted(p.name for p in Path(spec.logprobs_dir).iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    logprobs = pq.read_table(spec.logprobs_dir).to_pylist()
+    keys = sorted((r["prompt_id"], r["sample_idx"]) for r in logprobs)
+    table = pq.read_table(spec.advantages_files)
+    assert keys == sorted(zip(table.column("prompt_id").to_pylist(), table.column("sample_idx").to_pylist()))
+    assert all(pq.read_metadata(p).num_rows > 0 for p in Path(spec.logprobs_dir).iterdir())
     assert all(row["ref_logprob_sum"] < 0 for row in logprobs if row["num_loss_tokens"])
 
 
@@ -186,7 +192,7 @@ def policy_token_logprobs(policy_dir: str, row: dict) -> list[float]:
 def test_the_kl_loss_and_the_recorded_logprobs_match_a_hand_computation(runs, tiny_policy, advantages_files):
     metrics, spec = runs("second")  # policy = first's output, reference = tiny_policy: they differ
     rows = [r for path in advantages_files for r in pq.read_table(path).to_pylist()]
-    recorded = {(r["prompt_id"], r["sample_idx"]): r for r in pq.read_table(spec.logprobs_out).to_pylist()}
+    recorded = {(r["prompt_id"], r["sample_idx"]): r for r in pq.read_table(spec.logprobs_dir).to_pylist()}
     kl_values = []
     for row in rows:
         if not row["response_token_ids"]:
