@@ -46,7 +46,7 @@ from batchrl.errors import DataError
 from batchrl.pipeline.shards import ACTOR_MAX_RESTARTS, SHARD_MAX_RETRIES
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.stages.ingest_duplicates import later_occurrences
-from batchrl.stages.ingest_rows import check_columns, load_tokenizer, rewards_need_data_source
+from batchrl.stages.ingest_rows import check_columns, rewards_need_data_source
 from batchrl.stages.ingest_worker import IngestWorker
 from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve
 from batchrl.storage.inputs import Chunk, InputFile, describe_inputs, plan_chunks
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 HUB_EXAMPLE = "Qwen/Qwen2.5-0.5B-Instruct"
 REJECTS_DIR = "_rejects/"
+REWRITES_IN_DRIVER = 8  # chunks with duplicates the driver rewrites itself (more: on the actor pool)
 
 
 @register
@@ -112,13 +113,7 @@ class IngestStage(Stage):
         for file in files:
             if file.empty:
                 logger.warning("ingest: %s has no rows", file.uri)
-        tokenizer = load_tokenizer(cfg)
-        if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                f"the tokenizer of {cfg.model.tokenizer or cfg.model.path} has no chat template; "
-                f"set data.apply_chat_template: false to feed prompts as plain text"
-            )
-        ingest = ChunkedIngest(ctx, plan_chunks(files, rows_per_chunk=cfg.data.shard_size), tokenizer=tokenizer)
+        ingest = ChunkedIngest(ctx, plan_chunks(files, rows_per_chunk=cfg.data.shard_size))
         window = ingest.run()
         output = ingest.output(window)
         if not output.counts["prompts"]:
@@ -143,12 +138,11 @@ class ChunkedIngest:
     """The driver's side of one ingest: the chunk plan, the journal's records of finished chunks, and the jobs it
     hands to the workers (or runs itself, for a small input on the embedded Ray)."""
 
-    def __init__(self, ctx: StageContext, chunks: list[Chunk], *, tokenizer):
+    def __init__(self, ctx: StageContext, chunks: list[Chunk]):
         self.ctx, self.cfg, self.chunks = ctx, ctx.cfg, chunks
         self.by_key = {chunk.key: chunk for chunk in chunks}
         self.journal = Journal(ctx.output_dir)
         self.records = self._finished()
-        self.tokenizer = tokenizer
         self.driver_worker: IngestWorker | None = None
         self.writer = None
 
@@ -174,7 +168,7 @@ class ChunkedIngest:
                 self._drop_duplicates(window)
                 if limit is None or self._prompts(window) >= limit or end == len(self.chunks):
                     break
-            if limit is not None and self._prompts(window) > limit:
+            if limit is not None and self._prompts(window) >= limit:
                 window = self._trim(window, limit)
         return window
 
@@ -196,11 +190,13 @@ class ChunkedIngest:
     def _run_chunks(self, window: list[Chunk]) -> None:
         todo = [chunk for chunk in window if chunk.key not in self.records]
         jobs = [{"kind": "chunk", "chunk": chunk.to_json()} for chunk in todo]
-        rows = None if any(c.rows is None for c in todo) else sum(c.rows for c in todo)
-        for result in self._execute(jobs, rows=rows, what="input chunks"):
+        rows = None if any(c.max_rows is None for c in todo) else sum(c.max_rows for c in todo)
+        for result in self._execute(jobs, in_driver=self._in_driver(len(todo), rows), what="input chunks"):
             self._record(result)
 
     def _record(self, result: dict[str, Any]) -> None:
+        if "error" in result:
+            raise DataError(result["error"])
         chunk = self.by_key[result["key"]]
         parts = [PartInfo(**p) for p in result["parts"]]
         entry = record(chunk.key, parts, chunk=chunk.to_json(), counts=result["counts"], read=result["read"])
@@ -223,12 +219,13 @@ class ChunkedIngest:
         self._rewrite({key: {"drop": drop, "keep": None} for key, drop in drops.items()})
 
     def _trim(self, window: list[Chunk], limit: int) -> list[Chunk]:
-        """The chunks up to the one holding the ``limit``-th valid prompt, that one rewritten to end there."""
+        """The chunks up to the one holding the ``limit``-th valid prompt, that one rewritten to end there (its
+        later rows, and its rejects after that prompt, were never read by the single-process ingest)."""
         total = 0
         for index, chunk in enumerate(window):
             prompts = self.records[chunk.key]["counts"]["prompts"]
             if total + prompts >= limit:
-                if total + prompts > limit:
+                if total + prompts > limit or self.records[chunk.key]["counts"]["rejected"]:
                     self._rewrite({chunk.key: {"drop": {}, "keep": limit - total}})
                 return window[: index + 1]
             total += prompts
@@ -244,8 +241,9 @@ class ChunkedIngest:
             {"kind": "rewrite", "chunk": self.by_key[key].to_json(), **change, **self._recorded(key)}
             for key, change in changes.items()
         ]
-        rows = sum(self.records[key]["counts"]["prompts"] for key in changes)
-        for result in self._execute(jobs, rows=rows, what="chunks with duplicates"):
+        # a rewrite holds one chunk at a time: the driver does a few itself rather than start an actor pool
+        in_driver = len(jobs) <= REWRITES_IN_DRIVER
+        for result in self._execute(jobs, in_driver=in_driver, what="chunks to rewrite"):
             self._record(result)
 
     def _recorded(self, key: str) -> dict[str, Any]:
@@ -260,15 +258,13 @@ class ChunkedIngest:
         small = num_chunks <= 1 or (rows is not None and rows <= self.cfg.data.shard_size)
         return self.ctx.embedded_ray and small
 
-    def _execute(self, jobs: list[dict[str, Any]], *, rows: int | None, what: str) -> Iterator[dict[str, Any]]:
+    def _execute(self, jobs: list[dict[str, Any]], *, in_driver: bool, what: str) -> Iterator[dict[str, Any]]:
         """The workers' results of ``jobs``, as they finish (any order)."""
         if not jobs:
             return
-        if self._in_driver(len(jobs), rows):
+        if in_driver:
             if self.driver_worker is None:
-                self.driver_worker = IngestWorker(
-                    cfg=self.cfg, output_dir=self.ctx.output_dir, tokenizer=self.tokenizer
-                )
+                self.driver_worker = IngestWorker(cfg=self.cfg, output_dir=self.ctx.output_dir)
             for job in jobs:
                 yield self.driver_worker.run_job(job)
             return

@@ -12,6 +12,7 @@ found by the reader) and duplicate_prompt_id (found across the whole input, see 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -187,13 +188,15 @@ def fit_length(row: dict[str, Any], tokenizer, *, max_tokens: int, policy: str) 
     return None
 
 
-def count_truncated(rows: list[dict[str, Any]], tokenizer, *, cfg: PipelineConfig) -> int:
+def count_truncated(rows: list[dict[str, Any]], tokenizer: Callable[[], Any], *, cfg: PipelineConfig) -> int:
     """How many of these written prompt rows were truncated: those whose ids are exactly data.max_prompt_tokens
-    long and whose messages encode to more (a row removed after it was written takes its count along)."""
+    long and whose messages encode to more (a row removed after it was written takes its count along).
+    ``tokenizer()`` returns the tokenizer: it is loaded only when a row may have been truncated."""
     data = cfg.data
-    if data.overlong_prompts == "reject":
-        return 0
     full = [row for row in rows if len(row["prompt_token_ids"]) == data.max_prompt_tokens]
+    if data.overlong_prompts == "reject" or not full:
+        return 0
+    tokenizer = tokenizer()
     conversations = [json.loads(row["messages_json"]) for row in full]
     texts = render_texts(conversations, tokenizer, apply_template=data.apply_chat_template)
     ids = tokenizer(texts, add_special_tokens=not data.apply_chat_template)["input_ids"] if texts else []

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import pyarrow as pa
 
 from batchrl.config import PipelineConfig
+from batchrl.errors import DataError
 from batchrl.stages.ingest_rows import (
     INPUT_COLUMNS,
     Reject,
@@ -40,21 +42,47 @@ logger = logging.getLogger(__name__)
 
 
 class IngestWorker:
-    """Ray Data actor (or the driver's own worker): ``{"job": [json]} -> {"result": [json]}``, one per job."""
+    """Ray Data actor (or the driver's own worker): ``{"job": [json]} -> {"result": [json]}``, one per job. A data
+    error (a tokenizer that cannot be loaded or has no chat template, an unreadable row group) comes back as
+    ``{"error": message}``, which the driver raises as a DataError: raised here, it would reach the user wrapped in
+    Ray's traceback."""
 
-    def __init__(self, *, cfg: PipelineConfig, output_dir: str, tokenizer=None):
+    def __init__(self, *, cfg: PipelineConfig, output_dir: str):
         self.cfg = cfg
         self.output_dir = output_dir
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        self._tokenizer = None
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         return {"result": [json.dumps(self.run_job(json.loads(str(job)))) for job in batch["job"]]}
 
     def run_job(self, job: dict[str, Any]) -> dict[str, Any]:
         chunk = Chunk.from_json(job["chunk"])
-        if job["kind"] == "chunk":
-            return ingest_chunk(chunk, self.tokenizer, cfg=self.cfg, output_dir=self.output_dir)
-        return rewrite_chunk(job, chunk, self.tokenizer, cfg=self.cfg, output_dir=self.output_dir)
+        try:
+            if job["kind"] == "chunk":
+                return ingest_chunk(chunk, self.tokenizer(), cfg=self.cfg, output_dir=self.output_dir)
+            return rewrite_chunk(job, chunk, self.tokenizer, cfg=self.cfg, output_dir=self.output_dir)
+        except DataError as err:
+            return {"error": str(err)}
+
+    def tokenizer(self):
+        """The tokenizer, loaded on first use (a rewrite needs it only to recount truncated prompts)."""
+        if self._tokenizer is None:
+            tokenizer = load_tokenizer(self.cfg)
+            problem = chat_template_problem(self.cfg, tokenizer)
+            if problem is not None:
+                raise DataError(problem)
+            self._tokenizer = tokenizer
+        return self._tokenizer
+
+
+def chat_template_problem(cfg: PipelineConfig, tokenizer) -> str | None:
+    """Why prompts cannot be templated with this tokenizer (None when they can)."""
+    if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        return (
+            f"the tokenizer of {cfg.model.tokenizer or cfg.model.path} has no chat template; "
+            f"set data.apply_chat_template: false to feed prompts as plain text"
+        )
+    return None
 
 
 def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: str) -> dict[str, Any]:
@@ -115,12 +143,13 @@ def chunk_counts(tables: list[pa.Table], *, rejects: list[Reject], truncated: in
 
 
 def rewrite_chunk(
-    job: dict[str, Any], chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: str
+    job: dict[str, Any], chunk: Chunk, tokenizer: Callable[[], Any], *, cfg: PipelineConfig, output_dir: str
 ) -> dict[str, Any]:
     """A chunk's parts rewritten without the rows ``job["drop"]`` names ({part name: row indices}: later
     occurrences of a prompt id, rejected as duplicate_prompt_id) and, with ``job["keep"]``, without the rows after
     its first ``keep`` valid ones (data.max_prompts) nor the rejects after the last kept row. Parts left unchanged
-    are not rewritten, parts left empty are dropped; the counts are the recorded ones less what was removed."""
+    are not rewritten, parts left empty are dropped; the counts are the recorded ones less what was removed.
+    ``tokenizer()`` loads the tokenizer, needed only to tell whether a removed row had been truncated."""
     drop, keep = {name: set(rows) for name, rows in job["drop"].items()}, job.get("keep")
     old_parts = [PartInfo(**p) for p in job["parts"]]
     parts, duplicates, trimmed, kept, last_row = [], [], [], 0, None

@@ -103,6 +103,14 @@ class Chunk:
         return is_jsonl(self.uri)
 
     @property
+    def max_rows(self) -> int | None:
+        """Its rows (Parquet), or at most how many lines its byte range can start (a record takes 3 bytes at
+        least: ``{}`` and a newline); None for a gzipped file."""
+        if not self.jsonl:
+            return self.rows
+        return None if self.stop == UNBOUNDED else (self.stop - self.first_row) // 3 + 1
+
+    @property
     def stem(self) -> str:
         return InputFile(self.uri, 0, 0, "", ()).stem
 
@@ -199,7 +207,8 @@ def _jsonl_chunks(file: InputFile) -> Iterator[Chunk]:
             yield Chunk(file.uri, file.index, file.version, 0, first_row=0, rows=None, stop=UNBOUNDED)
         return
     for start in range(0, file.size, JSONL_CHUNK_BYTES):
-        yield Chunk(file.uri, file.index, file.version, 0, first_row=start, rows=None, stop=start + JSONL_CHUNK_BYTES)
+        stop = min(start + JSONL_CHUNK_BYTES, file.size)
+        yield Chunk(file.uri, file.index, file.version, 0, first_row=start, rows=None, stop=stop)
 
 
 def read_chunk(chunk: Chunk, *, columns: list[str]) -> list[tuple[int, dict[str, Any] | str]]:
