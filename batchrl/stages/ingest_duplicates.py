@@ -19,6 +19,8 @@ JSONL file in full), while the written parts' id column is a small fraction of t
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -71,9 +73,8 @@ def ids_by_bucket(uris: list[str], indices: list[int], *, buckets: int) -> list[
     table = pa.concat_tables(tables) if tables else _empty()
     if buckets == 1:
         return [table]
-    import pandas as pd
-
-    bucket_of = pd.util.hash_array(table.column("prompt_id").to_numpy(zero_copy_only=False)) % buckets
+    # crc32: the same bucket in every process (Python's hash() is salted per process)
+    bucket_of = np.array([zlib.crc32(i.encode()) % buckets for i in table.column("prompt_id").to_pylist()], np.int64)
     order = np.argsort(bucket_of, kind="stable")
     bounds = np.concatenate([[0], np.cumsum(np.bincount(bucket_of, minlength=buckets))])
     table = table.take(order)

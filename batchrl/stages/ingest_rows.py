@@ -158,11 +158,22 @@ def render_texts(conversations: list[list[dict[str, str]]], tokenizer, *, apply_
     return ["\n".join(m["content"] for m in messages) for messages in conversations]
 
 
+def encode(texts: list[str], tokenizer, *, add_special_tokens: bool) -> list[list[int]]:
+    """The token ids of each text, in one call (a fast tokenizer encodes the batch in Rust). Only the ids are asked
+    for: building the attention masks too cost a quarter of the encoding time."""
+    if not texts:
+        return []
+    encoded = tokenizer(
+        texts, add_special_tokens=add_special_tokens, return_attention_mask=False, return_token_type_ids=False
+    )
+    return encoded["input_ids"]
+
+
 def tokenize_rows(rows: list[dict[str, Any]], tokenizer, *, apply_template: bool) -> None:
     """Sets prompt_text, messages_json and prompt_token_ids of validated rows: the texts are encoded in one call
     (the fast tokenizer's batch path)."""
     texts = render_texts([row["messages"] for row in rows], tokenizer, apply_template=apply_template)
-    token_ids = tokenizer(texts, add_special_tokens=not apply_template)["input_ids"] if texts else []
+    token_ids = encode(texts, tokenizer, add_special_tokens=not apply_template)
     for row, text, ids in zip(rows, texts, token_ids):
         row["prompt_text"] = text
         row["messages_json"] = json.dumps(row["messages"], ensure_ascii=False)
@@ -199,7 +210,7 @@ def count_truncated(rows: list[dict[str, Any]], tokenizer: Callable[[], Any], *,
     tokenizer = tokenizer()
     conversations = [json.loads(row["messages_json"]) for row in full]
     texts = render_texts(conversations, tokenizer, apply_template=data.apply_chat_template)
-    ids = tokenizer(texts, add_special_tokens=not data.apply_chat_template)["input_ids"] if texts else []
+    ids = encode(texts, tokenizer, add_special_tokens=not data.apply_chat_template)
     return sum(len(one) > data.max_prompt_tokens for one in ids)
 
 
