@@ -23,6 +23,7 @@ previous output to compare with) is deleted before the new manifest is written, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -121,15 +122,23 @@ def build_plan(
     from_iteration: int | None = None,
     verify_checksums: bool = False,
     count_iterations: bool = True,
+    known: dict[tuple[str, bool], PlannedStage] | None = None,
 ) -> list[PlannedStage]:
     """Every stage of the run in order, with fingerprints and (when check_storage) completion status. With
-    run.epochs (and ``count_iterations``), the iterations are counted first (see counted_iterations)."""
+    run.epochs (and ``count_iterations``), the iterations are counted first (see counted_iterations).
+
+    ``known``: steps whose status this command has already read from storage, by (output directory, checksums)
+    (filled here);
+    a step of the same fingerprint takes its status from there instead of reading the manifest and listing the
+    table again (counting the iterations plans the once-per-run stages first: a 40k-part prompts table would be
+    read twice)."""
     if check_storage:
         check_s3_credentials(cfg)  # a one-line ConfigError, not botocore's traceback on the first manifest read
     if lineage is None:
         lineage = resolve_lineage(cfg) if check_storage else fresh_lineage(cfg)
+    known = {} if known is None else known
     if count_iterations and cfg.run.epochs is not None:
-        cfg = counted_iterations(cfg, lineage=lineage, check_storage=check_storage)
+        cfg = counted_iterations(cfg, lineage=lineage, check_storage=check_storage, known=known)
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     stages = {name: STAGES[name]() for name in stage_order()}
     where = {name: set(stage.planned_iterations(cfg)) for name, stage in stages.items()}
@@ -162,19 +171,43 @@ def build_plan(
         if iteration is not None and POLICY in table_dirs:
             policy_dir, policy_fp = table_dirs[POLICY], table_fps[POLICY]
     if check_storage:
-        by_dir = {step.output_dir: step for step in plan}
-        for step in plan:
-            _set_status(step, checksums=verify_checksums)
-            inputs = {table: getattr(by_dir.get(d), "manifest", None) for table, d in step.input_dirs.items()}
-            if step.sharded and inputs and all(m is not None for m in inputs.values()):
-                step.parts_total = len(stages[step.name].output_parts(cfg, step.iteration, inputs))
-            _check_recorded_inputs(step, by_dir, lineage)
+        _read_statuses(plan, cfg, lineage=lineage, checksums=verify_checksums, known=known)
     if from_stage is not None:
         _force_from(plan, from_stage, from_iteration)
     return plan
 
 
-def counted_iterations(cfg: PipelineConfig, *, lineage: Lineage | None = None, check_storage: bool = True):
+def _read_statuses(
+    plan: list[PlannedStage],
+    cfg: PipelineConfig,
+    *,
+    lineage: Lineage,
+    checksums: bool,
+    known: dict[tuple[str, bool], PlannedStage],
+) -> None:
+    """Each step's status from storage (or from ``known``), then the checks that need its inputs' manifests."""
+    by_dir = {step.output_dir: step for step in plan}
+    for step in plan:
+        seen = known.get((step.output_dir, checksums))
+        if seen is not None and seen.fingerprint == step.fingerprint:
+            for name in ("status", "manifest", "damaged", "parts_written", "started_at"):
+                setattr(step, name, getattr(seen, name))
+        else:
+            _set_status(step, checksums=checksums)
+            known[(step.output_dir, checksums)] = dataclasses.replace(step)  # as storage has it (no checks yet)
+        inputs = {table: getattr(by_dir.get(d), "manifest", None) for table, d in step.input_dirs.items()}
+        if step.status == "partial" and step.sharded and inputs and all(m is not None for m in inputs.values()):
+            step.parts_total = len(STAGES[step.name]().output_parts(cfg, step.iteration, inputs))
+        _check_recorded_inputs(step, by_dir, lineage)
+
+
+def counted_iterations(
+    cfg: PipelineConfig,
+    *,
+    lineage: Lineage | None = None,
+    check_storage: bool = True,
+    known: dict[tuple[str, bool], PlannedStage] | None = None,
+):
     """``cfg`` with run.iterations set from run.epochs: a stage counts them from the once-per-run tables committed
     now (generate: epochs x batches per epoch of the prompts table). 0 while those are not committed: the plan then
     holds the once-per-run stages alone, and the runner counts again once they are done. ``cfg`` itself without
@@ -184,7 +217,7 @@ def counted_iterations(cfg: PipelineConfig, *, lineage: Lineage | None = None, c
     unknown = with_iterations(cfg, 0)
     if not check_storage:
         return unknown
-    once = [s for s in build_plan(unknown, lineage=lineage, count_iterations=False) if s.iteration is None]
+    once = [s for s in build_plan(unknown, lineage=lineage, count_iterations=False, known=known) if s.iteration is None]
     tables = {STAGES[s.name].table: s.manifest for s in once if s.status == "done" and not STAGES[s.name].per_iteration}
     for name in stage_order():
         count = STAGES[name]().iteration_count(cfg, tables=tables)
@@ -332,8 +365,9 @@ class Runner:
         if from_stage is not None:
             check_from_stage(cfg, from_stage, from_iteration)
         self.lineage = resolve_lineage(cfg)
-        self.cfg = counted_iterations(cfg, lineage=self.lineage)
-        self._plan(from_stage=from_stage, from_iteration=from_iteration, verify_checksums=verify_checksums)
+        known: dict[tuple[str, bool], PlannedStage] = {}  # what counting the iterations read, planning reuses
+        self.cfg = counted_iterations(cfg, lineage=self.lineage, known=known)
+        self._plan(from_stage=from_stage, from_iteration=from_iteration, verify_checksums=verify_checksums, known=known)
         self.stages: dict[str, Stage] = {name: STAGES[name]() for name in stage_order()}
         self.embedded_ray = False  # set when the runner starts its own local Ray (see _ray_session)
         self.summary = RunSummary(run_dir=self.layout.run_dir)

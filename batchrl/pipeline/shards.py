@@ -1,9 +1,16 @@
 """Sharded execution of a table-to-table stage over a Ray Data actor pool.
 
-Each shard of the input table (one committed part) becomes one output part with the same name, so a
-resumed stage redoes exactly the shards whose parts are missing. Ray Data schedules the shards over a pool
-of actors; each actor builds its expensive state once (a vLLM engine, reward functions) and reuses it for
-every shard it receives. Actors read and write their parts themselves, so no row crosses the driver.
+Each shard of the input table (one committed part) becomes one output part with the same name. Ray Data
+schedules the shards over a pool of actors; each actor builds its expensive state once (a vLLM engine, reward
+functions) and reuses it for every shard it receives. Actors read and write their parts themselves, so no row
+crosses the driver.
+
+Resume: the driver records each finished shard (its part's size and sha256, its counts, the input it was made
+from) in the output table's work journal (batchrl.storage.journal) as the result arrives. A resumed stage takes
+its done shards from the journal and one listing of the output directory, and redoes exactly the others, without
+reading a single part (a request per part took ~48 min at 39k parts on S3). A file under a part name that no
+record claims (a shard in flight at the crash, whose record was not yet flushed, or a file copied in by hand) is
+simply redone: the rewrite replaces it under the same name, made again from the same input.
 
 Faults: an actor that dies mid-shard (killed, OOM, lost node) is restarted by Ray and its shard retried,
 a bounded number of times (``ACTOR_MAX_RESTARTS``, ``SHARD_MAX_RETRIES``; Ray Data's default is to retry
@@ -20,7 +27,7 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +36,9 @@ import pyarrow.parquet as pq
 
 from batchrl.errors import DataError
 from batchrl.storage import join, read_parquet, resolve, write_parquet_atomic
-from batchrl.storage.manifest import Manifest, PartInfo
-from batchrl.storage.schemas import conform, load_schema
+from batchrl.storage.journal import Journal, record, record_parts
+from batchrl.storage.manifest import Manifest, PartInfo, file_sizes
+from batchrl.storage.schemas import conform
 from batchrl.tracking.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -109,77 +117,82 @@ def read_verified_parquet(uri: str, *, sha256: str | None) -> pa.Table:
     return pq.read_table(io.BytesIO(data))
 
 
-def kept_part(uri: str, *, schema: str, input_uri: str) -> tuple[PartInfo, pa.Table] | None:
-    """A part already written under its final name that is this stage's output for its shard, with its rows;
-    None when there is none, and for one that is not: such a file is removed, so its shard is redone.
-
-    An atomic write makes a part under its final name complete, but not necessarily ours: a file copied in by
-    hand or left by another program under a part name must not be taken for finished work (it would be
-    summarised, then listed in the manifest). It must read as Parquet, have exactly the stage's columns and
-    types, and hold only prompt ids of its input shard (a subset: dynamic sampling drops whole groups).
-    """
-    fs, path = resolve(uri)
-    try:
-        data = fs.cat_file(path)
-    except FileNotFoundError:
-        return None
-    reason = None
-    try:
-        table = pq.read_table(io.BytesIO(data))
-    except Exception as err:
-        table, reason = None, f"unreadable ({err})"
-    if table is not None:
-        reason = _not_this_stages_output(table, schema=schema, input_uri=input_uri)
-    if reason is not None:
-        logger.warning("part %s is not this stage's output: %s; removing it and redoing its shard", uri, reason)
-        fs.rm(path)
-        return None
-    info = PartInfo(
-        name=path.rsplit("/", 1)[-1], rows=table.num_rows, sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data)
-    )
-    return info, table
+def shard_jobs(*, input_dir: str, input_manifest: Manifest, output_dir: str) -> list[dict[str, Any]]:
+    """One job per input part: output part k is made from input part k (same name)."""
+    return [
+        {
+            "input_uri": join(input_dir, part.name),
+            "output_uri": join(output_dir, part.name),
+            "name": part.name,
+            "input_sha256": part.sha256,
+        }
+        for part in input_manifest.parts
+    ]
 
 
-def _not_this_stages_output(table: pa.Table, *, schema: str, input_uri: str) -> str | None:
-    """Why ``table`` cannot be the output of the shard read from ``input_uri`` (None when it can be)."""
-    declared = load_schema(schema)
-    got = [(f.name, f.type) for f in table.schema]
-    if got != [(f.name, f.type) for f in declared]:
-        missing = [n for n in declared.names if n not in table.column_names]
-        return f"its columns differ from data_schemas/{schema}.json" + (
-            f" (missing {missing[:5]})" if missing else " (other columns or types)"
-        )
-    if "prompt_id" in table.column_names:
-        ids = set(table.column("prompt_id").to_pylist())
-        input_ids = set(read_parquet(input_uri, columns=["prompt_id"]).column("prompt_id").to_pylist())
-        if not ids <= input_ids:
-            return f"{len(ids - input_ids)} of its prompt ids are not in its input shard {input_uri}"
-    return None
+def job_input(job: dict[str, Any]) -> dict[str, Any]:
+    """What a job is made from, as its journal record keeps it: the input part's name (not its URI: a run copied
+    elsewhere keeps its records), its sha256 and, for a slice, its row range."""
+    start, stop = job.get("row_start"), job.get("row_stop")
+    return {
+        "part": job["input_uri"].rstrip("/").rsplit("/", 1)[-1],
+        "sha256": job.get("input_sha256"),
+        "rows": None if start is None else [int(start), int(stop)],
+    }
 
 
 def pending_shards(
-    *,
-    input_dir: str,
-    input_manifest: Manifest,
-    output_dir: str,
-    schema: str,
-    summarize: Callable[[pa.Table], dict[str, float]],
-) -> tuple[dict[str, PartInfo], dict[str, float], list[dict[str, str]]]:
-    """Splits a stage's shards into those already written (resume: parts and their counts) and jobs to run."""
+    jobs: list[dict[str, Any]], *, output_dir: str
+) -> tuple[dict[str, PartInfo], dict[str, float], list[dict[str, Any]]]:
+    """Splits a stage's shard jobs into those already done (resume: their parts and summed counts, from the output's
+    journal) and those to run, from one listing of ``output_dir`` and its journal segments: no part is read.
+
+    A shard counts as done only when its journal record names the same input (`job_input`) and its part is present
+    with the recorded size. A file under a part name that no such record claims (a shard in flight when the run
+    stopped, a file copied in by hand) is not trusted: its shard is redone and the rewrite replaces it.
+    """
+    sizes = file_sizes(output_dir)
+    records = Journal(output_dir).load(sizes=sizes)
     parts: dict[str, PartInfo] = {}
     counts: dict[str, float] = {}
-    jobs = []
-    for part in input_manifest.parts:
-        out_uri, in_uri = join(output_dir, part.name), join(input_dir, part.name)
-        done = kept_part(out_uri, schema=schema, input_uri=in_uri)
-        if done is not None:
-            parts[part.name] = done[0]
-            add_counts(counts, summarize(done[1]))
-        else:
-            jobs.append({"input_uri": in_uri, "output_uri": out_uri, "name": part.name, "input_sha256": part.sha256})
+    todo = []
+    for job in jobs:
+        entry = records.get(job["name"])
+        if entry is not None and entry.get("input") == job_input(job):
+            (parts[job["name"]],) = record_parts(entry)
+            add_counts(counts, entry["counts"])
+            continue
+        if job["name"] in sizes:
+            logger.warning(
+                "part %s is not this stage's output (no journal record of its shard matches it); redoing its shard",
+                job["output_uri"],
+            )
+        todo.append(job)
     if parts:
-        logger.info("resuming: %d of %d shards already written", len(parts), len(input_manifest.parts))
-    return parts, counts, jobs
+        logger.info("resuming: %d of %d shards already written", len(parts), len(jobs))
+    return parts, counts, todo
+
+
+class FinishedShards:
+    """Takes the result rows of ``jobs`` as they arrive: adds each shard's part and counts to ``parts`` and
+    ``counts``, and records it in the output's journal (flushed in batches, and on exit, also after an error)."""
+
+    def __init__(self, jobs: list[dict[str, Any]], *, output_dir: str, parts: dict[str, PartInfo], counts: dict):
+        self.jobs = {job["name"]: job for job in jobs}
+        self.parts, self.counts = parts, counts
+        self.journal = Journal(output_dir).writer()
+
+    def add(self, row: dict[str, Any]) -> None:
+        part, shard_counts = part_info(row), json.loads(row["counts_json"])
+        self.journal.add(record(part.name, [part], counts=shard_counts, input=job_input(self.jobs[part.name])))
+        self.parts[part.name] = part
+        add_counts(self.counts, shard_counts)
+
+    def __enter__(self) -> FinishedShards:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.journal.flush()
 
 
 def run_sharded(
@@ -189,7 +202,6 @@ def run_sharded(
     output_dir: str,
     worker_cls: type[ShardWorker],
     worker_kwargs: dict[str, Any],
-    summarize: Callable[[pa.Table], dict[str, float]],
     concurrency: int,
     num_cpus: float,
     num_gpus: float = 0.0,
@@ -197,48 +209,71 @@ def run_sharded(
     progress_bars: bool = True,
     embedded_ray: bool = False,
 ) -> tuple[list[PartInfo], dict[str, float]]:
-    """Runs ``worker_cls`` over every input part lacking an output part; returns parts and summed counts.
+    """Runs ``worker_cls`` over every input part not yet done (see `pending_shards`); returns the parts in input
+    order and the summed counts. Each finished shard is recorded in the output's journal as its result arrives.
     ``embedded_ray``: the Ray in use is the runner's own on this machine (StageContext.embedded_ray)."""
+    jobs = shard_jobs(input_dir=input_dir, input_manifest=input_manifest, output_dir=output_dir)
+    parts, counts, todo = pending_shards(jobs, output_dir=output_dir)
+    rows = map_shards(
+        worker_cls,
+        worker_kwargs,
+        todo,
+        concurrency=concurrency,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        description=description,
+        progress_bars=progress_bars,
+        embedded_ray=embedded_ray,
+    )
+    with FinishedShards(todo, output_dir=output_dir, parts=parts, counts=counts) as finished:
+        for row in rows:
+            finished.add(row)
+    return [parts[p.name] for p in input_manifest.parts], counts
+
+
+def map_shards(
+    worker_cls: type,
+    worker_kwargs: dict[str, Any],
+    jobs: list[dict[str, Any]],
+    *,
+    concurrency: int,
+    num_cpus: float,
+    num_gpus: float = 0.0,
+    description: str = "stage",
+    progress_bars: bool = True,
+    embedded_ray: bool = False,
+) -> Iterator[dict[str, Any]]:
+    """The result rows of ``worker_cls`` (a Ray Data batch callable, one row per job) over ``jobs``, as they come:
+    from a Ray Data actor pool, or from one worker in the driver for a lone CPU shard (`runs_in_driver`)."""
+    if not jobs:
+        return
+    if runs_in_driver(len(jobs), num_gpus=num_gpus, embedded_ray=embedded_ray):
+        yield from process_in_driver(worker_cls, worker_kwargs, jobs)
+        return
     import ray.data
 
-    parts, counts, jobs = pending_shards(
-        input_dir=input_dir,
-        input_manifest=input_manifest,
-        output_dir=output_dir,
-        schema=worker_cls.schema,
-        summarize=summarize,
-    )
-    results: list[dict[str, Any]] = []
-    if jobs and runs_in_driver(len(jobs), num_gpus=num_gpus, embedded_ray=embedded_ray):
-        results = process_in_driver(worker_cls, worker_kwargs, jobs)
-    elif jobs:
-        dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))
-        with warnings.catch_warnings():
-            # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
-            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-            mapped = dataset.map_batches(
-                worker_cls,
-                fn_constructor_kwargs=worker_kwargs,
-                batch_size=1,
-                compute=ray.data.ActorPoolStrategy(size=max(1, min(concurrency, len(jobs)))),
-                num_cpus=num_cpus,
-                num_gpus=num_gpus or None,
-                max_restarts=ACTOR_MAX_RESTARTS,
-                max_task_retries=SHARD_MAX_RETRIES,
-            )
-            with progress(len(jobs), f"{description}: shards", enabled=progress_bars) as bar:
-                for row in mapped.iter_rows():
-                    results.append(row)
-                    bar.advance()
-    for row in results:
-        parts[row["name"]] = part_info(row)
-        add_counts(counts, json.loads(row["counts_json"]))
-    ordered = [parts[p.name] for p in input_manifest.parts]
-    return ordered, counts
+    dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))
+    with warnings.catch_warnings():
+        # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        mapped = dataset.map_batches(
+            worker_cls,
+            fn_constructor_kwargs=worker_kwargs,
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=max(1, min(concurrency, len(jobs)))),
+            num_cpus=num_cpus,
+            num_gpus=num_gpus or None,
+            max_restarts=ACTOR_MAX_RESTARTS,
+            max_task_retries=SHARD_MAX_RETRIES,
+        )
+        with progress(len(jobs), f"{description}: shards", enabled=progress_bars) as bar:
+            for row in mapped.iter_rows():
+                yield row
+                bar.advance()
 
 
 def process_in_driver(
-    worker_cls: type[ShardWorker], worker_kwargs: dict[str, Any], jobs: list[dict[str, str]]
+    worker_cls: type, worker_kwargs: dict[str, Any], jobs: list[dict[str, str]]
 ) -> list[dict[str, Any]]:
     """Every job by one worker built in this process (then closed): one result row per job, as the actor pool
     returns them (name, rows, sha256, num_bytes, counts_json)."""

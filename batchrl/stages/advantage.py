@@ -4,10 +4,11 @@ The group is the row (one prompt, its n samples), so no groupby is needed: the r
 dense [num_prompts, n] array handed to a pure function of batchrl.algorithms.advantages. The output
 explodes to one row per sample, keyed by (prompt_id, sample_idx), which the update stage consumes.
 
-Batch-level statistics (whitening, REINFORCE++-baseline) need the whole batch, not one shard: the stage
-first sums mergeable moments over every shard on the driver (reading only the scores and lengths),
-then each shard is whitened with those global moments, so the result equals whitening the whole batch
-at once. DAPO group filtering drops groups whose rewards are all equal and counts them.
+Batch-level statistics (whitening, REINFORCE++-baseline) need the whole batch, not one shard: a first pass
+over the actor pool computes each shard's mergeable moments (the workers read only the scores and lengths), the
+driver adds them up, then each shard is whitened with those global moments, so the result equals whitening the
+whole batch at once. The driver reads no scores part. DAPO group filtering drops groups whose rewards are all
+equal and counts them.
 
 KL folded into the reward (``advantage.kl_in_reward_coef``): each sample's reward becomes its score minus
 coef x its summed per-token KL(behaviour || reference), before the estimator sees it. The behaviour side is
@@ -19,7 +20,9 @@ at the scores (a group whose answers all fail is still without signal, whatever 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,12 +39,15 @@ from batchrl.algorithms.advantages import (
 from batchrl.config import PipelineConfig
 from batchrl.config.models import AdvantageConfig
 from batchrl.errors import DataError
-from batchrl.pipeline.shards import ShardWorker, run_sharded
+from batchrl.pipeline.shards import ShardWorker, job_input, map_shards, run_sharded, shard_jobs
 from batchrl.pipeline.stage import Stage, StageContext, StageOutput, register
-from batchrl.storage import join, read_parquet
+from batchrl.storage import read_parquet
+from batchrl.storage.journal import Journal, record
 from batchrl.storage.manifest import Manifest
 
 logger = logging.getLogger(__name__)
+
+MOMENTS_KEY = "moments/"  # journal records of each scores shard's moments: moments/<part name>
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,16 +233,76 @@ def summarize_advantages(table: pa.Table) -> dict[str, float]:
     }
 
 
+class MomentsWorker:
+    """First pass, on the workers: the moments of one scores shard's pre-whitening advantages (token-weighted), as
+    a Ray Data batch callable returning one row per shard (name, moments_json). It reads only the columns it needs
+    (the whole part with KL in the reward, whose reference pass needs the tokens)."""
+
+    def __init__(self, *, config: dict[str, Any], reference_path: str | None = None):
+        self.cfg = AdvantageConfig.model_validate(config)
+        self.reward_kl = reward_kl_for(self.cfg, reference_path)  # the same penalised rewards the second pass sees
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        columns = None if self.reward_kl is not None else ["scores", "response_lengths"]
+        out: dict[str, list] = {"name": [], "moments_json": []}
+        for uri, name in zip(batch["input_uri"], batch["name"]):
+            table = read_parquet(str(uri), columns=columns)
+            groups, _ = kl_penalized(
+                shard_groups(table, filter_groups=self.cfg.filter_groups), self.reward_kl, self.cfg.kl_in_reward_coef
+            )
+            moments = batch_moments(raw_advantages(groups, self.cfg), weights=groups.lengths_PG)
+            out["name"].append(str(name))
+            out["moments_json"].append(json.dumps(dataclasses.asdict(moments)))
+        return out
+
+    def close(self) -> None:
+        """Nothing to release (called when it ran in the driver)."""
+
+
 def global_moments(ctx: StageContext, cfg: AdvantageConfig) -> BatchMoments:
-    """First pass: moments of the pre-whitening advantages over every shard (token-weighted)."""
+    """The batch's moments: each shard's from the workers (`MomentsWorker`), merged here in the table's part order,
+    so the total is exactly the one a pass over the parts in order gives; the driver reads no scores part.
+
+    Each shard's moments are recorded in the output's journal (``moments/<part>``), so a resumed stage computes
+    only the shards it has none for. Why not summaries written by the score stage: the moments depend on this
+    stage's config (estimator, group filtering, KL in the reward with its reference model), which the score stage
+    neither knows nor should be redone for."""
+    scores = ctx.inputs["scores"]
+    jobs = shard_jobs(input_dir=ctx.input_dirs["scores"], input_manifest=scores, output_dir=ctx.output_dir)
+    journal = Journal(ctx.output_dir)
+    records = journal.load()
+    moments = {
+        job["name"]: BatchMoments(**entry["moments"])
+        for job in jobs
+        if (entry := records.get(MOMENTS_KEY + job["name"])) is not None and entry.get("input") == job_input(job)
+    }
+    with journal.writer() as writer:
+        for job, shard in shard_moments(ctx, cfg, [job for job in jobs if job["name"] not in moments]):
+            writer.add(record(MOMENTS_KEY + job["name"], [], moments=dataclasses.asdict(shard), input=job_input(job)))
+            moments[job["name"]] = shard
     total = BatchMoments(0.0, 0.0, 0.0)
-    reward_kl = reward_kl_for(cfg, ctx.cfg.model.path)  # the same penalised rewards the workers will see
-    columns = None if reward_kl is not None else ["scores", "response_lengths"]
-    for part in ctx.inputs["scores"].parts:
-        table = read_parquet(join(ctx.input_dirs["scores"], part.name), columns=columns)
-        groups, _ = kl_penalized(shard_groups(table, filter_groups=cfg.filter_groups), reward_kl, cfg.kl_in_reward_coef)
-        total = total + batch_moments(raw_advantages(groups, cfg), weights=groups.lengths_PG)
+    for part in scores.parts:
+        total = total + moments[part.name]
     return total
+
+
+def shard_moments(
+    ctx: StageContext, cfg: AdvantageConfig, jobs: list[dict[str, Any]]
+) -> Iterator[tuple[dict[str, Any], BatchMoments]]:
+    """(job, its shard's moments) from `MomentsWorker` over the stage's actor pool, as they come."""
+    by_name = {job["name"]: job for job in jobs}
+    rows = map_shards(
+        MomentsWorker,
+        {"config": cfg.model_dump(), "reference_path": ctx.cfg.model.path},
+        jobs,
+        concurrency=max(1, ctx.cfg.ray.num_cpus or 2),
+        num_cpus=1,
+        description="advantage: moments",
+        progress_bars=ctx.cfg.tracking.progress_bars,
+        embedded_ray=ctx.embedded_ray,
+    )
+    for row in rows:
+        yield by_name[row["name"]], BatchMoments(**json.loads(row["moments_json"]))
 
 
 @register
@@ -268,7 +334,6 @@ class AdvantageStage(Stage):
             output_dir=ctx.output_dir,
             worker_cls=AdvantageWorker,
             worker_kwargs={"config": a.model_dump(), "moments": moments, "reference_path": ctx.cfg.model.path},
-            summarize=summarize_advantages,
             concurrency=max(1, ctx.cfg.ray.num_cpus or 2),
             num_cpus=1,
             description="advantage",

@@ -254,7 +254,6 @@ def score_eval_rollouts(
             output_dir=scores_dir,
             worker_cls=ScoreWorker,
             worker_kwargs=ScoreStage.reward_kwargs(cfg),
-            summarize=lambda table: {},
             concurrency=rm.num_actors,
             num_cpus=rm.cpus_per_actor,
             num_gpus=rm.gpus_per_actor,

@@ -28,11 +28,11 @@ import pyarrow as pa
 
 from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
 from batchrl.config import PipelineConfig
-from batchrl.pipeline.shards import ShardWorker, add_counts, kept_part, part_info
+from batchrl.pipeline.shards import FinishedShards, ShardWorker, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import join, local_copy
 from batchrl.storage.layout import part_name
-from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -269,9 +269,7 @@ class GenerateStage(Stage):
             | ({} if batch.whole_parts else {"row_start": piece.start, "row_stop": piece.stop})
             for name, piece in batch_parts(batch)
         ]
-        parts, counts, jobs = pending_jobs(
-            all_jobs, output_dir=ctx.output_dir, schema=self.schema, summarize=summarize_rollouts
-        )
+        parts, counts, jobs = pending_shards(all_jobs, output_dir=ctx.output_dir)
         timings: list[dict[str, float]] = []
         if jobs:
             pool = EnginePool.get(
@@ -293,10 +291,10 @@ class GenerateStage(Stage):
                     "stop": tuple(g.stop),
                 },
             )
-            for row in pool.run(jobs, settings, progress_bars=ctx.cfg.tracking.progress_bars):
-                parts[row["name"]] = part_info(row)
-                add_counts(counts, json.loads(row["counts_json"]))
-                timings.append(json.loads(row["timings_json"]))
+            with FinishedShards(jobs, output_dir=ctx.output_dir, parts=parts, counts=counts) as finished:
+                for row in pool.run(jobs, settings, progress_bars=ctx.cfg.tracking.progress_bars):
+                    finished.add(row)
+                    timings.append(json.loads(row["timings_json"]))
             if g.engine_lifetime == "stage":
                 pool.shutdown()
         return StageOutput(
@@ -334,23 +332,6 @@ def batch_stats(batch: Batch) -> dict[str, float]:
         "data/prompts": batch.rows,
         "data/prompts_consumed": (batch.iteration + 1) * batch.rows,
     }
-
-
-def pending_jobs(
-    jobs: list[dict[str, Any]], *, output_dir: str, schema: str, summarize
-) -> tuple[dict[str, PartInfo], dict[str, float], list[dict[str, Any]]]:
-    """(parts already written, their summed counts, the jobs still to run)."""
-    parts: dict[str, PartInfo] = {}
-    counts: dict[str, float] = {}
-    todo = []
-    for job in jobs:
-        done = kept_part(job["output_uri"], schema=schema, input_uri=job["input_uri"])
-        if done is None:
-            todo.append(job)
-        else:
-            parts[job["name"]] = done[0]
-            add_counts(counts, summarize(done[1]))
-    return parts, counts, todo
 
 
 def generation_actor_need(cfg: PipelineConfig) -> ActorNeed:

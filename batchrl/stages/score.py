@@ -383,7 +383,6 @@ class ScoreStage(Stage):
             output_dir=ctx.output_dir,
             worker_cls=ScoreWorker,
             worker_kwargs=self.reward_kwargs(cfg),
-            summarize=summarize_scores,
             concurrency=rm.num_actors if rm else max(1, cfg.ray.num_cpus or 2),
             num_cpus=rm.cpus_per_actor if rm else 1,
             num_gpus=rm.gpus_per_actor if rm else 0.0,

@@ -60,7 +60,7 @@ class Journal:
         """The records whose parts are all present with their recorded sizes, by key (a later record of a key
         replaces an earlier one). ``sizes``: the table directory's listing (`file_sizes`), if the caller has it."""
         sizes = file_sizes(self.table_dir) if sizes is None else sizes
-        segments = sorted(name for name in sizes if name.startswith(JOURNAL_DIR + "/") and name.endswith(".json"))
+        segments = sorted(name for name in sizes if name.startswith(f"{JOURNAL_DIR}/seg-") and name.endswith(".json"))
         records: dict[str, dict[str, Any]] = {}
         for name in segments:
             for entry in self._read_segment(name):

@@ -25,22 +25,46 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field, fields
 
 from batchrl import __version__
-from batchrl.storage.fs import join, resolve, sha256_of, write_bytes_atomic
+from batchrl.storage.fs import is_local, join, resolve, sha256_of, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
+
+_quote = json.encoder.encode_basestring_ascii  # how json.dumps writes a str (ensure_ascii, C-accelerated)
 
 MANIFEST_NAME = "_MANIFEST.json"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PartInfo:
+    """One file of a table. Not frozen, though nothing changes one once made: a plan over 40k-part tables builds
+    hundreds of thousands, and a frozen dataclass's __init__ costs 3x a plain one's (~1 s more per plan); slots
+    save a dict per instance."""
+
     name: str
     rows: int
     sha256: str
     num_bytes: int
+
+    def to_json(self) -> str:
+        """One line of JSON, as ``json.dumps`` (sorted keys) writes it, but ~10x faster than its indented encoder (pure
+        Python) over a list of parts."""
+        return (
+            f'{{"name": {_quote(self.name)}, "num_bytes": {int(self.num_bytes)}, "rows": {int(self.rows)}, '
+            f'"sha256": {_quote(self.sha256)}}}'
+        )
+
+    @classmethod
+    def list_from(cls, raw: list[dict]) -> list[PartInfo]:
+        """The parts of a manifest's JSON list. Names are interned: the tables of a run repeat the same part names
+        (part-00000.parquet, ...), one copy will do."""
+        intern = sys.intern
+        return [cls(intern(p["name"]), p["rows"], p["sha256"], p["num_bytes"]) for p in raw]
 
 
 @dataclass
@@ -70,16 +94,43 @@ class Manifest:
         return list(self.parts) + [p for extra in self.extra_parts.values() for p in extra]
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        """Indented JSON with sorted keys, each part on one line: a 40k-part manifest is ~4 MB written in ~0.1 s
+        (``json.dumps(asdict(self), indent=2)`` made it 7 MB in 0.5 s, and reading it back cost as much)."""
+        lists: dict[str, list[PartInfo]] = {}  # placeholder -> the parts written in its place
+
+        def placeholder(parts: list[PartInfo] | None) -> str | None:
+            if parts is None:
+                return None
+            key = f"\x00parts-{uuid.uuid4().hex}"
+            lists[json.dumps(key)] = parts
+            return key
+
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        raw["parts"] = placeholder(self.parts)
+        raw["extra_parts"] = {name: placeholder(parts) for name, parts in self.extra_parts.items()}
+        raw["trainer_state"] = placeholder(self.trainer_state)
+        text = json.dumps(raw, indent=2, sort_keys=True)
+        for quoted, parts in lists.items():
+            at = text.index(quoted)
+            line = text[text.rfind("\n", 0, at) + 1 : at]
+            text = text[:at] + _parts_json(parts, indent=len(line) - len(line.lstrip(" "))) + text[at + len(quoted) :]
+        return text
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         raw = json.loads(text)
-        raw["parts"] = [PartInfo(**p) for p in raw["parts"]]
-        raw["extra_parts"] = {k: [PartInfo(**p) for p in v] for k, v in raw.get("extra_parts", {}).items()}
+        raw["parts"] = PartInfo.list_from(raw["parts"])
+        raw["extra_parts"] = {k: PartInfo.list_from(v) for k, v in raw.get("extra_parts", {}).items()}
         if raw.get("trainer_state") is not None:
-            raw["trainer_state"] = [PartInfo(**p) for p in raw["trainer_state"]]
+            raw["trainer_state"] = PartInfo.list_from(raw["trainer_state"])
         return cls(**raw)
+
+
+def _parts_json(parts: list[PartInfo], *, indent: int) -> str:
+    if not parts:
+        return "[]"
+    pad = " " * (indent + 2)
+    return "[\n" + ",\n".join(pad + part.to_json() for part in parts) + "\n" + " " * indent + "]"
 
 
 def manifest_uri(table_dir: str) -> str:
@@ -110,11 +161,29 @@ def file_sizes(directory: str) -> dict[str, int]:
     directory does not exist."""
     fs, path = resolve(directory)
     root = path.rstrip("/")
+    if is_local(directory):
+        return _local_file_sizes(root)
     try:
         fs.invalidate_cache(root)
         return {name[len(root) + 1 :]: int(info.get("size") or 0) for name, info in fs.find(root, detail=True).items()}
     except FileNotFoundError:
         return {}
+
+
+def _local_file_sizes(root: str, prefix: str = "") -> dict[str, int]:
+    """`file_sizes` of a local directory with os.scandir: fsspec's find builds an info dict per file, ~25 us each
+    (7 s for the 280k files of a plan over 40k-part tables)."""
+    sizes: dict[str, int] = {}
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return sizes
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            sizes.update(_local_file_sizes(entry.path, f"{prefix}{entry.name}/"))
+        else:
+            sizes[prefix + entry.name] = entry.stat().st_size
+    return sizes
 
 
 def damaged_parts(table_dir: str, manifest: Manifest, *, checksums: bool = False) -> list[str]:

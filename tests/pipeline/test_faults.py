@@ -182,6 +182,7 @@ def test_a_truncated_part_is_redone_alone_and_stray_files_are_removed_or_ignored
     assert sorted(p.name for p in rollouts.iterdir()) == [
         "_MANIFEST.json",
         "_STARTED.json",
+        "_journal",  # the finished shards' records, kept with the table (a later repair takes its counts from them)
         "part-00000.parquet",
         "part-00001.parquet",
     ]

@@ -118,7 +118,8 @@ def test_report_and_tensorboard_files_of_a_run_on_object_storage_land_beside_it(
 
     remote = f"s3://{s3_bucket}/runs/readable"
     fs, path = resolve(remote)
-    for file in [run_dir / "run.yaml", run_dir / "metrics.jsonl", *(run_dir / "iter_0000" / "scores").iterdir()]:
+    scores = [p for p in (run_dir / "iter_0000" / "scores").iterdir() if p.is_file()]  # not its _journal/
+    for file in [run_dir / "run.yaml", run_dir / "metrics.jsonl", *scores]:
         fs.put_file(str(file), f"{path}/{file.relative_to(run_dir).as_posix()}")
 
     assert write_report(remote) == f"{remote}/report/index.html"

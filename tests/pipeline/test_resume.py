@@ -20,9 +20,12 @@ DOUBLED_REWARD = "score.rewards=[{reward: 'custom_rewards:digit_count', weight: 
 
 
 def files_state(table_dir: Path) -> dict[str, tuple[int, str]]:
-    """name -> (mtime_ns, sha256) of every file: equal before and after means not rewritten."""
+    """relative path -> (mtime_ns, sha256) of every file (the journal's too): equal before and after means not
+    rewritten."""
     return {
-        p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) for p in sorted(table_dir.iterdir())
+        p.relative_to(table_dir).as_posix(): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(table_dir.rglob("*"))
+        if p.is_file()
     }
 
 

@@ -288,3 +288,97 @@ def test_sharing_prompts_in_the_reference_pass_is_not_in_the_advantage_fingerpri
     kl = {"kl_in_reward_coef": 0.1}
     assert fingerprint(**kl, kl_in_reward_share_prompt=True) == fingerprint(**kl)
     assert fingerprint(**kl, kl_in_reward_max_tokens=64) != fingerprint(**kl) != fingerprint()
+
+
+def scores_table(tmp_path, shards: list[list[tuple[str, str, list[str]]]]):
+    """A committed scores table of one part per shard (hand-made groups, scored by the default reward)."""
+    from batchrl.storage import write_parquet_atomic
+    from batchrl.storage.manifest import Manifest, PartInfo
+
+    parts, tables = [], []
+    for k, groups in enumerate(shards):
+        scored, _ = worker().process(rollouts(groups))
+        scored = conform(scored, "scores")
+        num_bytes, digest = write_parquet_atomic(scored, str(tmp_path / "scores" / f"part-{k:05d}.parquet"))
+        parts.append(PartInfo(f"part-{k:05d}.parquet", scored.num_rows, digest, num_bytes))
+        tables.append(scored)
+    manifest = Manifest("score", "scores", 0, "s", parts, "scores", 0.0, 1.0)
+    return manifest, tables
+
+
+def advantage_context(tmp_path, manifest, **advantage):
+    from batchrl.config import validate_dict
+    from batchrl.pipeline.stage import StageContext
+    from batchrl.storage import RunLayout
+
+    cfg = validate_dict(
+        {
+            "name": "adv",
+            "run": {"root": str(tmp_path / "runs")},
+            "model": {"path": "unused"},
+            "data": {"train_files": ["unused"]},
+            "advantage": advantage,
+            "ray": {"num_cpus": 2},
+            "tracking": {"progress_bars": False},
+        }
+    )
+    return StageContext(
+        cfg=cfg,
+        layout=RunLayout.for_run(cfg.run.root, cfg.run_id),
+        iteration=0,
+        output_dir=str(tmp_path / "advantages"),
+        fingerprint="a",
+        inputs={"scores": manifest},
+        input_dirs={"scores": str(tmp_path / "scores")},
+        policy_in="unused",
+    )
+
+
+def test_the_stage_merges_each_shards_moments_from_its_workers_and_its_driver_reads_no_scores_part(
+    ray_session, tmp_path, monkeypatch
+):
+    import fsspec
+
+    from batchrl.stages import advantage as advantage_module
+    from batchrl.storage import read_parquet
+
+    shards = [
+        [("a0", "7", ["#### 7", "#### 8", "x"]), ("a1", "1", ["#### 1", "no", "#### 1"])],
+        [("b0", "3", ["#### 3", "#### 3", "#### 4"])],
+        [("c0", "5", ["#### 5", "#### 5", "#### 5"]), ("c1", "2", ["no", "#### 2", "#### 9"])],
+    ]
+    manifest, tables = scores_table(tmp_path, shards)
+    cfg = AdvantageConfig(estimator="reinforce_pp_baseline")
+    total = None  # what the driver computed before: each part's moments, summed in the table's order
+    for table in tables:
+        groups = shard_groups(table, filter_groups=False)
+        m = batch_moments(raw_advantages(groups, cfg), weights=groups.lengths_PG)
+        total = m if total is None else total + m
+    moments = {"weight": total.weight, "mean": total.mean, "m2": total.m2}
+    expected = [advantage_worker(moments=moments, estimator="reinforce_pp_baseline").process(t)[0] for t in tables]
+
+    opened: list[str] = []  # every file the driver opens from here on
+    moment_jobs: list[int] = []  # the shards each first pass computed moments for
+    original_open, original_map = fsspec.AbstractFileSystem.open, advantage_module.map_shards
+
+    def spying_open(fs, path, *args, **kwargs):
+        opened.append(str(path))
+        return original_open(fs, path, *args, **kwargs)
+
+    def counting_map(worker_cls, worker_kwargs, jobs, **kwargs):
+        moment_jobs.append(len(jobs))
+        return original_map(worker_cls, worker_kwargs, jobs, **kwargs)
+
+    monkeypatch.setattr(fsspec.AbstractFileSystem, "open", spying_open)
+    monkeypatch.setattr(advantage_module, "map_shards", counting_map)
+    ctx = advantage_context(tmp_path, manifest, estimator="reinforce_pp_baseline")
+    output = advantage_module.AdvantageStage().run(ctx)
+    assert moment_jobs == [3]  # the first pass ran on the actor pool, one job per scores part
+    assert not [path for path in opened if "/scores/" in path]  # the driver itself read none of them
+    for part, table in zip(output.parts, expected):
+        got = read_parquet(f"{ctx.output_dir}/{part.name}").column("advantage").to_pylist()
+        assert got == table.column("advantage").to_pylist()  # the same sums in the same order: the same floats
+
+    (tmp_path / "advantages" / "part-00001.parquet").unlink()  # a resumed stage: moments come from its journal
+    again = advantage_module.AdvantageStage().run(ctx)
+    assert moment_jobs == [3, 0] and [p.sha256 for p in again.parts] == [p.sha256 for p in output.parts]

@@ -110,3 +110,12 @@ def test_on_s3_it_loads_what_was_recorded(s3_bucket):
     fs, path = resolve(join(table, parts[1].name))
     fs.rm(path)
     assert sorted(Journal(table).load()) == [parts[0].name, parts[2].name]
+
+
+def test_a_killed_writers_temporary_file_is_not_taken_for_a_segment(tmp_path, caplog):
+    table = str(tmp_path / "t")
+    part = write_part(table, "a.parquet")
+    Journal(table).append([record("a", [part])])
+    (tmp_path / "t" / JOURNAL_DIR / ".tmp-0123-seg-00000000000000000001-abcd.json").write_text('[{"key": "b"')
+    assert list(Journal(table).load()) == ["a"]
+    assert "ignoring journal segment" not in caplog.text

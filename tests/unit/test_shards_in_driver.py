@@ -64,7 +64,6 @@ def run(tmp_path, out: str, manifest: Manifest, *, embedded_ray: bool):
         output_dir=str(tmp_path / out),
         worker_cls=Shouter,
         worker_kwargs={"suffix": "!"},
-        summarize=lambda t: {"rows": t.num_rows},
         concurrency=2,
         num_cpus=1,
         progress_bars=False,
