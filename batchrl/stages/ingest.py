@@ -59,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 HUB_EXAMPLE = "Qwen/Qwen2.5-0.5B-Instruct"
 REJECTS_DIR = "_rejects/"
+# Parquet row groups are combined into chunks of at least this many rows (several parts each when data.shard_size
+# is smaller): a chunk costs a Ray task, a journal record and a rejects file, ~20 ms, which chunks of 100-row groups
+# would pay once per 100 rows.
+MIN_CHUNK_ROWS = 1024
 REWRITES_IN_DRIVER = 8  # chunks with duplicates the driver rewrites itself (more: on the actor pool)
 
 
@@ -113,7 +117,8 @@ class IngestStage(Stage):
         for file in files:
             if file.empty:
                 logger.warning("ingest: %s has no rows", file.uri)
-        ingest = ChunkedIngest(ctx, plan_chunks(files, rows_per_chunk=cfg.data.shard_size))
+        rows_per_chunk = max(cfg.data.shard_size, MIN_CHUNK_ROWS)
+        ingest = ChunkedIngest(ctx, plan_chunks(files, rows_per_chunk=rows_per_chunk))
         window = ingest.run()
         output = ingest.output(window)
         if not output.counts["prompts"]:
@@ -262,7 +267,7 @@ class ChunkedIngest:
         """The workers' results of ``jobs``, as they finish (any order)."""
         if not jobs:
             return
-        if in_driver:
+        if in_driver or not self._pool_size(len(jobs)):
             if self.driver_worker is None:
                 self.driver_worker = IngestWorker(cfg=self.cfg, output_dir=self.ctx.output_dir)
             for job in jobs:
@@ -270,12 +275,22 @@ class ChunkedIngest:
             return
         yield from self._on_actor_pool(jobs, what=what)
 
-    def _on_actor_pool(self, jobs: list[dict[str, Any]], *, what: str) -> Iterator[dict[str, Any]]:
+    def _pool_size(self, num_jobs: int) -> int:
+        """Actors for ``num_jobs`` jobs: data.num_actors (default: one per data.cpus_per_actor CPUs of the cluster),
+        no more than the CPUs free now hold (the evaluate stage ingests its held-out prompts while the generation
+        engines hold CPUs: a pool waiting for more would wait forever); 0 when none is free."""
         import ray
+
+        data = self.cfg.data
+        wanted = data.num_actors or int(ray.cluster_resources().get("CPU", 1) // data.cpus_per_actor)
+        free = int(ray.available_resources().get("CPU", 0) // data.cpus_per_actor)
+        return max(0, min(wanted, free, num_jobs))
+
+    def _on_actor_pool(self, jobs: list[dict[str, Any]], *, what: str) -> Iterator[dict[str, Any]]:
         import ray.data
 
         data = self.cfg.data
-        actors = data.num_actors or int(ray.cluster_resources().get("CPU", 1) // data.cpus_per_actor)
+        actors = self._pool_size(len(jobs))
         dataset = ray.data.from_items([{"job": json.dumps(job)} for job in jobs], override_num_blocks=len(jobs))
         with warnings.catch_warnings():
             # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
@@ -284,7 +299,7 @@ class ChunkedIngest:
                 IngestWorker,
                 fn_constructor_kwargs={"cfg": self.cfg, "output_dir": self.ctx.output_dir},
                 batch_size=1,
-                compute=ray.data.ActorPoolStrategy(size=max(1, min(actors, len(jobs)))),
+                compute=ray.data.ActorPoolStrategy(size=actors),
                 num_cpus=data.cpus_per_actor,
                 max_restarts=ACTOR_MAX_RESTARTS,
                 max_task_retries=SHARD_MAX_RETRIES,

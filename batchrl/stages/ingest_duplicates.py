@@ -35,6 +35,8 @@ ROW_BITS = 32  # position = part index << ROW_BITS | row
 def later_occurrences(part_uris: list[str], *, in_driver: bool) -> list[tuple[int, int]]:
     """(part index, row) of every later occurrence of a prompt id in the parts ``part_uris`` (in input order),
     sorted. ``in_driver``: a small input, grouped here rather than by Ray tasks."""
+    if not part_uris:
+        return []
     starts = range(0, len(part_uris), PARTS_PER_MAP_TASK)
     groups = [list(range(start, min(start + PARTS_PER_MAP_TASK, len(part_uris)))) for start in starts]
     if in_driver:

@@ -8,7 +8,7 @@ file's size and first line), and each worker reads its chunk itself, from local 
   row group is one chunk on its own, unless it exceeds ``SPLIT_ROWS``: then it is split into slices of equal
   size, each worker reading the row group and keeping its slice (decoding a row group costs far less than
   tokenizing it, and one file written as a single row group of a million rows would otherwise go to one worker).
-- JSONL (``*.jsonl``): a chunk is a byte range of ``JSONL_CHUNK_BYTES``; its reader takes the lines that START
+- JSONL (``*.jsonl``): a chunk is a byte range of ``JSONL_CHUNK_BYTES`` (16 MiB); its reader takes the lines that START
   inside the range (the split rule of Hadoop's text input), so every line is read by exactly one chunk. The row
   number of a JSONL line (``source_row``, and the default prompt id ``<stem>-<row>``) is its byte offset in the
   file: a chunk cannot know how many lines come before it without reading them, and an offset is as stable and
@@ -39,7 +39,7 @@ from batchrl.storage.fs import file_identities, is_jsonl, resolve
 from batchrl.storage.layout import part_name
 
 SPLIT_ROWS = 65_536  # a Parquet row group larger than this is split into slices of at most this many rows
-JSONL_CHUNK_BYTES = 64 << 20
+JSONL_CHUNK_BYTES = 16 << 20  # ~80k lines of 200 bytes: a few seconds of a worker's time, in memory at once
 READ_BLOCK_BYTES = 8 << 20  # JSONL is read in blocks of this size (fsspec's readline re-reads a whole block)
 HEAD_READ_BYTES = 64 << 10  # planning reads a JSONL file's first record in blocks of this size
 FOOTER_THREADS = 16

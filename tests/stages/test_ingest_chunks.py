@@ -14,10 +14,17 @@ import pytest
 from batchrl.config import validate_dict
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import StageContext
+from batchrl.stages import ingest as ingest_module
 from batchrl.stages.ingest import IngestStage
 from batchrl.storage import RunLayout, read_parquet
 from batchrl.storage.journal import Journal, record
 from batchrl_toy import build_toy_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def chunks_of_single_row_groups(monkeypatch):
+    """Chunks as small as the row groups (and data.shard_size) allow, so that a few rows make several chunks."""
+    monkeypatch.setattr(ingest_module, "MIN_CHUNK_ROWS", 1)
 
 
 @pytest.fixture(scope="module")
