@@ -116,8 +116,9 @@ class DataConfig(_Strict):
     train_files: list[str] = Field(
         ...,
         min_length=1,
-        description="Prompt Parquet files, directories or globs "
-        "(local or s3://...). Both batchrl's and verl's column layouts are accepted.",
+        description="Prompt files, directories or globs (local or s3://...): Parquet, or JSON Lines (*.jsonl, "
+        "*.jsonl.gz: one JSON object per line, with the same fields). A directory is searched for *.parquet, *.jsonl "
+        "and *.jsonl.gz. Both batchrl's and verl's column layouts are accepted.",
     )
     shard_size: int = Field(
         256, ge=1, description="Prompts per shard of the prompts table; the unit of work and of resume."
@@ -138,6 +139,15 @@ class DataConfig(_Strict):
         True, description="Render prompts with the tokenizer's chat template (with the generation prompt)."
     )
     max_prompts: int | None = Field(None, ge=1, description="Use only the first N valid prompts (smoke runs).")
+    num_actors: int | None = Field(
+        None,
+        ge=1,
+        description="Ingest actors (each loads the tokenizer once and reads, tokenizes and writes input chunks); "
+        "null: one per data.cpus_per_actor CPUs of the Ray cluster. Not part of the ingest fingerprint.",
+    )
+    cpus_per_actor: float = Field(
+        1.0, gt=0, description="CPUs reserved per ingest actor. Not part of the ingest fingerprint."
+    )
     prompts_per_iteration: int | None = Field(
         None,
         ge=1,

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import yaml
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.storage import RunLayout, expand_parquet_files, file_identities, join, resolve, write_bytes_atomic
+from batchrl.storage import RunLayout, expand_input_files, file_identities, join, resolve, write_bytes_atomic
 from batchrl.storage.fs import protocol_prefix
 from batchrl.storage.manifest import Manifest, fingerprint, read_manifest
 
@@ -196,7 +196,7 @@ def _key(file: dict) -> tuple[str, int, str]:
 
 def files_to_ingest(cfg: PipelineConfig, lineage: Lineage) -> tuple[list[dict], int]:
     """(identities of the input files ingest should read, number skipped as already seen)."""
-    files = file_identities(expand_parquet_files(cfg.data.train_files))
+    files = file_identities(expand_input_files(cfg.data.train_files))
     if not lineage.skips_seen_files(cfg):
         return files, 0
     seen = {_key(f) for f in lineage.seen_files}

@@ -655,9 +655,9 @@ class Runner:
         """Keeps exactly the output that is still good, then marks the directory as this config's.
 
         Output of a different config is cleared. A sharded stage keeps its committed parts except damaged
-        ones, and loses stray files (unknown names, temporary files of killed writers); a stage that writes
-        all its output at once (ingest, update) starts from an empty directory. A damaged stage's manifest
-        is kept until the redo replaces it.
+        ones, and loses stray files (unknown names, temporary files of killed writers); a stage that resumes from
+        its journal (ingest) keeps its files but its damaged parts; a stage that writes all its output at once
+        (update) starts from an empty directory. A damaged stage's manifest is kept until the redo replaces it.
         """
         fs, path = resolve(step.output_dir)
         names = _entries(step.output_dir)
@@ -669,6 +669,11 @@ class Runner:
         if is_sharded(stage):
             expected = stage.output_parts(self.cfg, step.iteration, self._input_manifests(stage, step.iteration))
             keep |= set(expected) - set(step.damaged)
+        elif stage.resumes_from_journal:  # its journal says what is done; a damaged part goes, so it is redone
+            keep |= set(names)
+            for name in step.damaged:
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(f"{path.rstrip('/')}/{name}")
         strays = [n for n in names if n not in keep]
         if strays:
             logger.info(

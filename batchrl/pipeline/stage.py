@@ -73,6 +73,9 @@ class Stage:
     reads_new_policy: ClassVar[bool] = False
     # True: it reads data.train_files, which an incremental run (run.new_files_only) narrows to the new files
     reads_train_files: ClassVar[bool] = False
+    # True: a table-writing stage that resumes from its journal (storage.journal): the runner keeps its files when
+    # it restarts, and the stage redoes only the work no record claims (ingest, whose input chunks are not parts)
+    resumes_from_journal: ClassVar[bool] = False
     config_section: ClassVar[str | None] = None  # the optional config section that turns the stage on
     timing_name: ClassVar[str | None] = None  # its duration in the iteration metrics: timing_s/<timing_name>
     in_step_time: ClassVar[bool] = True  # its duration counts in timing_s/step (a training step's time)

@@ -171,6 +171,7 @@ def ingest_eval_prompts(ctx: StageContext) -> tuple[str, Manifest]:
             inputs={},
             input_dirs={},
             policy_in=ctx.policy_in,
+            embedded_ray=ctx.embedded_ray,
         )
     )
     if output.counts.get("rejected"):

@@ -1,60 +1,69 @@
-"""ingest: prompt Parquet files -> the validated, tokenized, sharded prompts table of the run.
+"""ingest: prompt files (Parquet or JSON Lines) -> the validated, tokenized, sharded prompts table of the run.
 
-Accepts two layouts, per file:
-- batchrl's: ``prompt`` (string or chat messages), ``ground_truth``, optional ``data_source``, ``prompt_id``,
-  ``extra_info``;
-- verl's: ``data_source``, ``prompt`` (chat messages), ``reward_model.ground_truth``, ``extra_info``.
-A missing ``prompt_id`` becomes ``<file stem>-<row>``; a missing ``data_source`` becomes ``unknown``, which is
-allowed only when the config does not choose rewards by data_source (score.rewards or a reward model alone):
-otherwise a file without the column is a data error, raised before anything is written. A numeric ground truth
-is written as text without a spurious ``.0`` (see ground_truth_text). Bad rows are not dropped silently: each goes
-to the rejects table (``prompts/_rejects/``) with a reason (empty_prompt, bad_prompt, bad_messages, bad_role,
-bad_ground_truth, missing_ground_truth, duplicate_prompt_id, prompt_too_long), and the counts go into the manifest.
-An unreadable file, or one without a required column, stops the stage (DataError, exit 3) before it writes a part.
-Rows are re-sharded into parts of ``data.shard_size`` prompts, in input order, so shards are deterministic.
+Row by row (layouts, reject reasons): see ingest_rows. Bad rows are not dropped silently: each goes to the rejects
+table (``prompts/_rejects/``) with a reason, and the counts go into the manifest. An unreadable file, or one
+without a required column, stops the stage (DataError, exit 3) before it writes a part.
+
+Why distributed and streaming (it used to read every file whole into the driver): at 10M prompts the rows alone
+were ~41 GB in one process, and a crash restarted from zero. Now:
+
+1. The driver plans input chunks from Parquet footers and JSONL sizes (batchrl.storage.inputs), never the rows.
+2. A Ray Data actor pool (IngestWorker: the tokenizer loaded once per actor) runs the chunks; each worker reads its
+   chunk, validates, templates and tokenizes it in batches and writes its parts and its rejects part. Only counts
+   and part infos come back; the driver journals each finished chunk (``prompts/_journal/``). A single chunk (or
+   all of them holding no more than ``data.shard_size`` rows) on the embedded Ray is processed in the driver: an
+   actor pool would only add its start-up, as for sharded stages (``runs_in_driver``).
+3. Duplicate prompt ids are found over the written parts by a hash-partitioned pass (ingest_duplicates); the
+   chunks holding later occurrences are rewritten without them, and the rejects recorded.
+4. ``data.max_prompts`` keeps its meaning, the first N valid prompts in input order: chunks are run in input order,
+   a window at a time, until N valid prompts are written; the chunk holding the N-th is trimmed after it.
+5. The manifest lists the parts in input order, with the counts summed from the chunks' records.
+
+Departures from the single-process ingest: a chunk's valid rows fill parts of ``data.shard_size`` rows, the last one
+shorter, so parts may differ in size (rejects and duplicates leave shorter parts; generate's batch slicing handles
+any sizes); part names are reserved per chunk from the footers (``part-00000.parquet``, ... in input order, with
+gaps where a chunk had rejects); there is one rejects part per chunk that rejected something. A prompt id is a
+duplicate of the first VALID row with that id: a later row with the same id and a problem of its own is rejected for
+that problem (before, a too-long duplicate counted as a duplicate).
+
+Resume: the stage declares ``resumes_from_journal``, so the runner keeps its files when it restarts, and a chunk
+whose record is in the journal (its parts present with their sizes, its input file unchanged) is not redone. A
+rewrite (duplicates, the max_prompts trim) first journals that the chunk is being rewritten, so a crash in the
+middle redoes the chunk rather than trusting a part that may have changed. Every step is a function of the
+inputs, so a resumed ingest writes the same parts, byte for byte, as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
-from decimal import Decimal
+import warnings
+from collections.abc import Iterator
 from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.errors import DataError
-from batchrl.pipeline.stage import Stage, StageContext, StageOutput, register
-from batchrl.storage import (
-    StorageError,
-    expand_parquet_files,
-    is_local,
-    join,
-    read_parquet,
-    resolve,
-    write_parquet_atomic,
-)
-from batchrl.storage.layout import part_name
-from batchrl.storage.manifest import PartInfo
-from batchrl.storage.schemas import load_schema
+from batchrl.pipeline.shards import ACTOR_MAX_RESTARTS, SHARD_MAX_RETRIES
+from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
+from batchrl.stages.ingest_duplicates import later_occurrences
+from batchrl.stages.ingest_rows import check_columns, rewards_need_data_source
+from batchrl.stages.ingest_worker import IngestWorker
+from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve
+from batchrl.storage.inputs import Chunk, InputFile, describe_inputs, plan_chunks
+from batchrl.storage.journal import Journal, record, record_parts
+from batchrl.storage.manifest import PartInfo, file_sizes
 from batchrl.storage.sources import check_checkpoint_source
+from batchrl.tracking.progress import progress
 
 logger = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render (OpenAI's, verl's data)
 HUB_EXAMPLE = "Qwen/Qwen2.5-0.5B-Instruct"
-
-
-@dataclass(frozen=True)
-class Reject:
-    source_file: str
-    source_row: int
-    prompt_id: str | None
-    reason: str
-    detail: str
+REJECTS_DIR = "_rejects/"
+# Parquet row groups are combined into chunks of at least this many rows (several parts each when data.shard_size
+# is smaller): a chunk costs a Ray task, a journal record and a rejects file, ~20 ms, which chunks of 100-row groups
+# would pay once per 100 rows.
+MIN_CHUNK_ROWS = 1024
+REWRITES_IN_DRIVER = 8  # chunks with duplicates the driver rewrites itself (more: on the actor pool)
 
 
 @register
@@ -64,31 +73,34 @@ class IngestStage(Stage):
     schema = "prompts"
     per_iteration = False
     reads_train_files = True
+    resumes_from_journal = True
 
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
         return [("data.train_files", uri) for uri in cfg.data.train_files]
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        data = cfg.data.model_dump(exclude_defaults=True, exclude={"prompts_per_iteration"})  # read by generate
+        # prompts_per_iteration is read by generate; the actors change where the work runs, not its output
+        data = cfg.data.model_dump(
+            exclude_defaults=True, exclude={"prompts_per_iteration", "num_actors", "cpus_per_actor"}
+        )
         return {"data": data, "tokenizer": cfg.model.tokenizer or cfg.model.path}
 
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        return [ActorNeed(cfg.data.cpus_per_actor, 0.0, "data.cpus_per_actor", "data.cpus_per_actor")]
+
     def check_inputs(self, cfg: PipelineConfig) -> None:
-        """Before anything is written: the inputs exist, local ones are Parquet files with the needed columns and
-        not all empty (footers only: a handful of local files costs little, while an object-store prefix of many
-        files would be read twice, so those are checked as ingest reads them, before it writes a part), and the
-        model and tokenizer can be found."""
+        """Before anything is written: the inputs exist, local ones are readable (Parquet footers, a JSONL file's
+        first record) with the needed columns and not all empty (an object-store prefix of many files would be
+        read twice, so those are checked as ingest plans its chunks, before it writes a part), and the model and
+        tokenizer can be found."""
         try:
-            files = expand_parquet_files(cfg.data.train_files)
+            uris = expand_input_files(cfg.data.train_files)
         except StorageError as err:
             raise ConfigError(f"{err}; fix data.train_files") from None
-        local = [uri for uri in files if is_local(uri)]
-        num_rows = 0
-        for uri in local:
-            columns, rows = _read_footer(uri)
-            _check_columns(uri, columns, needs_data_source=rewards_need_data_source(cfg))
-            num_rows += rows
-        if local and len(local) == len(files) and num_rows == 0:
-            raise DataError(f"data.train_files: every input file is empty (0 rows): {_listing(files)}")
+        local = describe_inputs([uri for uri in uris if is_local(uri)])
+        check_files(local, cfg)
+        if local and len(local) == len(uris) and all(file.empty for file in local):
+            raise DataError(f"data.train_files: every input file is empty (0 rows): {_listing(uris)}")
         model = cfg.model
         check_checkpoint_source(model.path, field="model.path", example=HUB_EXAMPLE)
         if model.tokenizer is not None:
@@ -97,163 +109,245 @@ class IngestStage(Stage):
     def run(self, ctx: StageContext) -> StageOutput:
         cfg = ctx.cfg
         try:
-            files = expand_parquet_files(cfg.data.train_files)
+            uris = expand_input_files(cfg.data.train_files)
         except StorageError as err:
             raise DataError(str(err)) from None
-        tokenizer = load_tokenizer(cfg)
-        if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        files = describe_inputs(uris)
+        check_files(files, cfg)
+        for file in files:
+            if file.empty:
+                logger.warning("ingest: %s has no rows", file.uri)
+        rows_per_chunk = max(cfg.data.shard_size, MIN_CHUNK_ROWS)
+        ingest = ChunkedIngest(ctx, plan_chunks(files, rows_per_chunk=rows_per_chunk))
+        window = ingest.run()
+        output = ingest.output(window)
+        if not output.counts["prompts"]:
+            empty = [f.uri for f in files if f.empty] + ingest.files_without_rows(window)
+            with_no_rows = f"; with no rows: {_listing(empty)}" if empty else ""
             raise DataError(
-                f"the tokenizer of {cfg.model.tokenizer or cfg.model.path} has no chat template; "
-                f"set data.apply_chat_template: false to feed prompts as plain text"
+                f"no valid prompts in {_listing(uris)}: {output.counts['rejected']} row(s) rejected "
+                f"({_reason_counts(output.counts)}){with_no_rows}; check data.train_files and the column layout"
             )
-        rows, rejects, truncated, empty_files = _read_prompts(files, tokenizer, cfg)
-        if not rows:
-            empty = f"; with no rows: {_listing(empty_files)}" if empty_files else ""
-            raise DataError(
-                f"no valid prompts in {_listing(files)}: {len(rejects)} row(s) rejected "
-                f"({_reason_counts(rejects)}){empty}; check data.train_files and the column layout"
-            )
-        output = _write(ctx.output_dir, rows, rejects, shard_size=cfg.data.shard_size)
-        output.counts["truncated_prompts"] = truncated
         return output
 
 
-def _read_prompts(files: list[str], tokenizer, cfg: PipelineConfig) -> tuple[list[dict], list[Reject], int, list[str]]:
-    """(valid tokenized rows, rejects, number truncated, files without rows), in input order, up to data.max_prompts."""
-    rows, rejects, seen, truncated, empty_files = [], [], set(), 0, []
+def check_files(files: list[InputFile], cfg: PipelineConfig) -> None:
+    """DataError naming the first file without a required column (a JSONL file: in its first record)."""
     needs_data_source = rewards_need_data_source(cfg)
-    for uri in files:
-        num_read = 0
-        for row in _normalized_rows(uri, needs_data_source=needs_data_source):
-            num_read += 1
-            reject = _validate(row, seen=seen)
-            if reject is None:
-                _tokenize_into(row, tokenizer, apply_template=cfg.data.apply_chat_template)
-                reject = _fit_length(
-                    row, tokenizer, max_tokens=cfg.data.max_prompt_tokens, policy=cfg.data.overlong_prompts
-                )
-                truncated += row.get("truncated", False)
-            if reject is not None:
-                rejects.append(reject)
-                continue
-            seen.add(row["prompt_id"])
-            rows.append(row)
-            if cfg.data.max_prompts is not None and len(rows) >= cfg.data.max_prompts:
-                return rows, rejects, truncated, empty_files
-        if num_read == 0:
-            logger.warning("ingest: %s has no rows", uri)
-            empty_files.append(uri)
-    return rows, rejects, truncated, empty_files
+    for file in files:
+        if not (file.jsonl and file.empty):
+            check_columns(file.uri, set(file.columns), needs_data_source=needs_data_source)
 
 
-def load_tokenizer(cfg: PipelineConfig):
-    from transformers import AutoTokenizer
+class ChunkedIngest:
+    """The driver's side of one ingest: the chunk plan, the journal's records of finished chunks, and the jobs it
+    hands to the workers (or runs itself, for a small input on the embedded Ray)."""
 
-    source = cfg.model.tokenizer or cfg.model.path
-    try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise DataError(
-            f"cannot load the tokenizer from {source!r} (model.tokenizer / model.path): {str(err).splitlines()[0]}"
-        ) from None
+    def __init__(self, ctx: StageContext, chunks: list[Chunk]):
+        self.ctx, self.cfg, self.chunks = ctx, ctx.cfg, chunks
+        self.by_key = {chunk.key: chunk for chunk in chunks}
+        self.journal = Journal(ctx.output_dir)
+        self.records = self._finished()
+        self.driver_worker: IngestWorker | None = None
+        self.writer = None
 
-
-def _normalized_rows(uri: str, *, needs_data_source: bool):
-    try:
-        table = read_parquet(uri)
-    except StorageError as err:
-        raise DataError(str(err)) from None
-    _check_columns(uri, set(table.column_names), needs_data_source=needs_data_source)
-    stem = uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".parquet")
-    for index, raw in enumerate(table.to_pylist()):
-        reward_model = raw.get("reward_model") or {}
-        ground_truth = raw.get(
-            "ground_truth", reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-        )
-        ground_truth, ground_truth_problem = ground_truth_text(ground_truth)
-        yield {
-            "prompt_id": str(raw["prompt_id"]) if raw.get("prompt_id") is not None else f"{stem}-{index}",
-            "data_source": str(raw.get("data_source") or "unknown"),
-            "prompt": raw.get("prompt"),
-            "ground_truth": ground_truth,
-            "ground_truth_problem": ground_truth_problem,
-            "extra_info_json": json.dumps(raw["extra_info"], default=str)
-            if raw.get("extra_info") is not None
-            else None,
-            "source_file": uri,
-            "source_row": index,
+    def _finished(self) -> dict[str, dict[str, Any]]:
+        """The journal's records of chunks of this plan (same file version, same rows, same part names)."""
+        loaded = self.journal.load()
+        records = {
+            key: r for key, r in loaded.items() if key in self.by_key and r.get("chunk") == self.by_key[key].to_json()
         }
+        if records:
+            logger.info("ingest: resuming, %d of %d input chunk(s) already written", len(records), len(self.chunks))
+        return records
+
+    def run(self) -> list[Chunk]:
+        """Runs the chunks (those up to data.max_prompts valid prompts), removes duplicates, trims; returns the
+        chunks whose parts make the table."""
+        limit, end = self.cfg.data.max_prompts, 0
+        with self.journal.writer() as self.writer:
+            while True:
+                end = self._window_end(end, limit)
+                window = self.chunks[:end]
+                self._run_chunks(window)
+                self._drop_duplicates(window)
+                if limit is None or self._prompts(window) >= limit or end == len(self.chunks):
+                    break
+            if limit is not None and self._prompts(window) >= limit:
+                window = self._trim(window, limit)
+        return window
+
+    def _window_end(self, end: int, limit: int | None) -> int:
+        """Where the chunks to run next end: all of them, or (max_prompts) enough to reach ``limit`` valid prompts
+        if no row were rejected (a JSONL chunk, whose rows are unknown, alone)."""
+        if limit is None:
+            return len(self.chunks)
+        short = limit - self._prompts(self.chunks[:end])
+        while end < len(self.chunks) and short > 0:
+            chunk, end = self.chunks[end], end + 1
+            done = self.records.get(chunk.key)
+            short -= done["counts"]["prompts"] if done else (short if chunk.rows is None else chunk.rows)
+        return end
+
+    def _prompts(self, chunks: list[Chunk]) -> int:
+        return sum(self.records[c.key]["counts"]["prompts"] for c in chunks if c.key in self.records)
+
+    def _run_chunks(self, window: list[Chunk]) -> None:
+        todo = [chunk for chunk in window if chunk.key not in self.records]
+        jobs = [{"kind": "chunk", "chunk": chunk.to_json()} for chunk in todo]
+        rows = None if any(c.max_rows is None for c in todo) else sum(c.max_rows for c in todo)
+        for result in self._execute(jobs, in_driver=self._in_driver(len(todo), rows), what="input chunks"):
+            self._record(result)
+
+    def _record(self, result: dict[str, Any]) -> None:
+        if "error" in result:
+            raise DataError(result["error"])
+        chunk = self.by_key[result["key"]]
+        parts = [PartInfo(**p) for p in result["parts"]]
+        entry = record(chunk.key, parts, chunk=chunk.to_json(), counts=result["counts"], read=result["read"])
+        self.records[chunk.key] = entry
+        self.writer.add(entry)
+
+    def _drop_duplicates(self, window: list[Chunk]) -> None:
+        """Rewrites the chunks holding later occurrences of a prompt id without them (see ingest_duplicates)."""
+        parts = [(chunk, part) for chunk in window for part in self.prompt_parts(chunk)]
+        rows = sum(part.rows for _, part in parts)
+        uris = [join(self.ctx.output_dir, part.name) for _, part in parts]
+        found = later_occurrences(uris, in_driver=self._in_driver(len(window), rows))
+        if not found:
+            return
+        drops: dict[str, dict[str, list[int]]] = {}
+        for index, row in found:
+            chunk, part = parts[index]
+            drops.setdefault(chunk.key, {}).setdefault(part.name, []).append(row)
+        logger.info("ingest: %d row(s) repeat an earlier prompt_id: rejected as duplicate_prompt_id", len(found))
+        self._rewrite({key: {"drop": drop, "keep": None} for key, drop in drops.items()})
+
+    def _trim(self, window: list[Chunk], limit: int) -> list[Chunk]:
+        """The chunks up to the one holding the ``limit``-th valid prompt, that one rewritten to end there (its
+        later rows, and its rejects after that prompt, were never read by the single-process ingest)."""
+        total = 0
+        for index, chunk in enumerate(window):
+            prompts = self.records[chunk.key]["counts"]["prompts"]
+            if total + prompts >= limit:
+                if total + prompts > limit or self.records[chunk.key]["counts"]["rejected"]:
+                    self._rewrite({chunk.key: {"drop": {}, "keep": limit - total}})
+                return window[: index + 1]
+            total += prompts
+        return window
+
+    def _rewrite(self, changes: dict[str, dict[str, Any]]) -> None:
+        """Rewrites chunks' parts (``changes``: drop / keep by chunk key, see rewrite_chunk). Their records are first
+        replaced by ones that claim nothing, so a crash mid-rewrite redoes those chunks instead of trusting a part
+        that may have been rewritten under its recorded size."""
+        self.writer.flush()
+        self.journal.append([record(key, []) for key in changes])
+        jobs = [
+            {"kind": "rewrite", "chunk": self.by_key[key].to_json(), **change, **self._recorded(key)}
+            for key, change in changes.items()
+        ]
+        # a rewrite holds one chunk at a time: the driver does a few itself rather than start an actor pool
+        in_driver = len(jobs) <= REWRITES_IN_DRIVER
+        for result in self._execute(jobs, in_driver=in_driver, what="chunks to rewrite"):
+            self._record(result)
+
+    def _recorded(self, key: str) -> dict[str, Any]:
+        entry = self.records[key]
+        return {"parts": entry["parts"], "counts": entry["counts"], "read": entry["read"]}
+
+    def prompt_parts(self, chunk: Chunk) -> list[PartInfo]:
+        return [p for p in record_parts(self.records[chunk.key]) if not p.name.startswith(REJECTS_DIR)]
+
+    def _in_driver(self, num_chunks: int, rows: int | None) -> bool:
+        """A single chunk, or chunks of at most data.shard_size rows in all, on the embedded Ray: no actor pool."""
+        small = num_chunks <= 1 or (rows is not None and rows <= self.cfg.data.shard_size)
+        return self.ctx.embedded_ray and small
+
+    def _execute(self, jobs: list[dict[str, Any]], *, in_driver: bool, what: str) -> Iterator[dict[str, Any]]:
+        """The workers' results of ``jobs``, as they finish (any order)."""
+        if not jobs:
+            return
+        if in_driver or not self._pool_size(len(jobs)):
+            if self.driver_worker is None:
+                self.driver_worker = IngestWorker(cfg=self.cfg, output_dir=self.ctx.output_dir)
+            for job in jobs:
+                yield self.driver_worker.run_job(job)
+            return
+        yield from self._on_actor_pool(jobs, what=what)
+
+    def _pool_size(self, num_jobs: int) -> int:
+        """Actors for ``num_jobs`` jobs: data.num_actors (default: one per data.cpus_per_actor CPUs of the cluster),
+        no more than the CPUs free now hold (the evaluate stage ingests its held-out prompts while the generation
+        engines hold CPUs: a pool waiting for more would wait forever); 0 when none is free."""
+        import ray
+
+        data = self.cfg.data
+        wanted = data.num_actors or int(ray.cluster_resources().get("CPU", 1) // data.cpus_per_actor)
+        free = int(ray.available_resources().get("CPU", 0) // data.cpus_per_actor)
+        return max(0, min(wanted, free, num_jobs))
+
+    def _on_actor_pool(self, jobs: list[dict[str, Any]], *, what: str) -> Iterator[dict[str, Any]]:
+        import ray.data
+
+        data = self.cfg.data
+        actors = self._pool_size(len(jobs))
+        dataset = ray.data.from_items([{"job": json.dumps(job)} for job in jobs], override_num_blocks=len(jobs))
+        with warnings.catch_warnings():
+            # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            mapped = dataset.map_batches(
+                IngestWorker,
+                fn_constructor_kwargs={"cfg": self.cfg, "output_dir": self.ctx.output_dir},
+                batch_size=1,
+                compute=ray.data.ActorPoolStrategy(size=actors),
+                num_cpus=data.cpus_per_actor,
+                max_restarts=ACTOR_MAX_RESTARTS,
+                max_task_retries=SHARD_MAX_RETRIES,
+            )
+        with progress(len(jobs), f"ingest: {what}", enabled=self.cfg.tracking.progress_bars) as bar:
+            for row in mapped.iter_rows():
+                yield json.loads(row["result"])
+                bar.advance()
+
+    def output(self, window: list[Chunk]) -> StageOutput:
+        """The table: the window's parts in input order, its rejects parts, the counts summed; files that no record
+        of the window claims (a chunk past max_prompts, a rewritten chunk's dropped part, a killed writer's
+        temporary file) are removed."""
+        parts, rejects, counts = [], [], {}
+        for chunk in window:
+            for part in record_parts(self.records[chunk.key]):
+                (rejects if part.name.startswith(REJECTS_DIR) else parts).append(part)
+            for key, value in self.records[chunk.key]["counts"].items():
+                counts[key] = counts.get(key, 0) + value
+        _remove_strays(self.ctx.output_dir, keep={p.name for p in parts + rejects})
+        if counts.get("rejected"):
+            logger.warning(
+                "ingest rejected %d row(s): %s (see %s)",
+                counts["rejected"],
+                _reason_counts(counts),
+                join(self.ctx.output_dir, REJECTS_DIR),
+            )
+        counts.setdefault("prompts", 0)
+        counts.setdefault("rejected", 0)
+        counts.setdefault("truncated_prompts", 0)
+        return StageOutput(parts=parts, counts=counts, extra_parts={"rejects": rejects})
+
+    def files_without_rows(self, window: list[Chunk]) -> list[str]:
+        """JSONL files of the window none of whose chunks read a record."""
+        read: dict[str, int] = {}
+        for chunk in window:
+            if chunk.jsonl:
+                read[chunk.uri] = read.get(chunk.uri, 0) + self.records[chunk.key]["read"]
+        return [uri for uri, rows in read.items() if not rows]
 
 
-def ground_truth_text(value: Any) -> tuple[str | None, str | None]:
-    """(the ground truth as the text rewards compare with, None) or (None, why it cannot be one).
-
-    Why numbers are normalised here: rule rewards compare strings (verl's gsm8k scorer does), and a float column
-    turns 19 into "19.0", which never equals the "19" extracted from a response, so every correct answer would
-    score 0 without an error. An integral number becomes its digits (19.0 -> "19"), any other its shortest
-    decimal form without an exponent (2.5 -> "2.5", 1e-05 -> "0.00001"); NaN, inf and booleans are rejected.
-    Strings are kept as they are: what a dataset spells out is the answer it means.
-    """
-    if value is None or isinstance(value, str):
-        return value, None
-    if isinstance(value, bool):
-        return None, f"ground truth is a boolean ({value}); store it as a string if it is the answer"
-    if isinstance(value, int):
-        return str(value), None
-    if isinstance(value, (float, Decimal)):
-        number = Decimal(repr(value)) if isinstance(value, float) else value
-        if not number.is_finite():
-            return None, f"ground truth is {value}, not a number an answer can equal"
-        return _plain_decimal(number), None
-    return str(value), None
-
-
-def _plain_decimal(number: Decimal) -> str:
-    """19.0 -> "19", 2.50 -> "2.5", 1E+20 -> "100000000000000000000", -0.0 -> "0"."""
-    if number.is_zero():
-        return "0"
-    integral = number.to_integral_value()
-    return format(integral if number == integral else number.normalize(), "f")
-
-
-def _read_footer(uri: str) -> tuple[set[str], int]:
-    """(column names, number of rows) from a Parquet file's footer; DataError naming the file if unreadable."""
-    try:
-        fs, path = resolve(uri)
-        with fs.open(path, "rb") as f:
-            metadata = pq.read_metadata(f)
-    except (OSError, pa.ArrowInvalid) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"data.train_files: {uri} is not a readable Parquet file ({reason})") from None
-    return set(metadata.schema.to_arrow_schema().names), metadata.num_rows
-
-
-def rewards_need_data_source(cfg: PipelineConfig) -> bool:
-    """Whether each row's reward is chosen by its data_source (no score.rewards terms, no reward model alone)."""
-    return not cfg.score.rewards and cfg.score.reward_model is None
-
-
-def _check_columns(uri: str, columns: set[str], *, needs_data_source: bool) -> None:
-    """DataError naming the file and the first required column it lacks."""
-    layouts = (
-        "use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or verl's "
-        "(prompt, reward_model.ground_truth, data_source)"
-    )
-    if "prompt" not in columns:
-        missing, hint = "'prompt'", layouts
-    elif "ground_truth" not in columns and "reward_model" not in columns:
-        missing, hint = "'ground_truth' (or verl's 'reward_model')", layouts
-    elif needs_data_source and "data_source" not in columns:
-        missing, hint = (
-            "'data_source'",
-            (
-                "it chooses each row's reward while score.rewards is empty: add the column "
-                "(e.g. openai/gsm8k) or list the rewards in score.rewards"
-            ),
-        )
-    else:
-        return
-    raise DataError(f"data.train_files: {uri} has no {missing} column (columns: {sorted(columns)}); {hint}")
+def _remove_strays(output_dir: str, *, keep: set[str]) -> None:
+    """Removes the parts, rejects parts and temporary files under ``output_dir`` not in ``keep`` (one listing)."""
+    fs, path = resolve(output_dir)
+    for name in file_sizes(output_dir):
+        ours = name.startswith(("part-", REJECTS_DIR)) or name.rsplit("/", 1)[-1].startswith(".tmp-")
+        if ours and name not in keep:
+            fs.rm(f"{path.rstrip('/')}/{name}")
 
 
 def _listing(uris: list[str], *, limit: int = 3) -> str:
@@ -261,118 +355,6 @@ def _listing(uris: list[str], *, limit: int = 3) -> str:
     return ", ".join(uris[:limit]) + more
 
 
-def _validate(row: dict[str, Any], *, seen: set[str]) -> Reject | None:
-    def reject(reason: str, detail: str) -> Reject:
-        return Reject(row["source_file"], row["source_row"], row["prompt_id"], reason, detail)
-
-    messages, problem = prompt_messages(row["prompt"])
-    if problem is not None:
-        return reject(*problem)
-    if row["ground_truth_problem"] is not None:
-        return reject("bad_ground_truth", row["ground_truth_problem"])
-    if row["ground_truth"] is None or not row["ground_truth"].strip():
-        return reject("missing_ground_truth", "no ground_truth / reward_model.ground_truth")
-    if row["prompt_id"] in seen:
-        return reject("duplicate_prompt_id", f"prompt_id {row['prompt_id']!r} seen before")
-    row["messages"] = messages
-    return None
-
-
-def prompt_messages(prompt: Any) -> tuple[list[dict[str, str]], tuple[str, str] | None]:
-    """(the chat messages of a prompt cell, None) or ([], (reject reason, detail)).
-
-    A number is not stringified into a prompt: a numeric prompt column is a mistake in the data, not a question.
-    """
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            return [], ("empty_prompt", "prompt is empty or blank")
-        return [{"role": "user", "content": prompt}], None
-    if prompt is None:
-        return [], ("empty_prompt", "prompt is null")
-    if not isinstance(prompt, list):
-        return [], (
-            "bad_prompt",
-            f"prompt is a {type(prompt).__name__} ({str(prompt)[:80]}); expected a string "
-            f"or a list of {{role, content}} chat messages",
-        )
-    if not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
-    ):
-        return [], ("bad_messages", "prompt messages must be {role: str, content: str}")
-    roles = sorted({m["role"] for m in prompt} - set(CHAT_ROLES))
-    if roles:
-        return [], ("bad_role", f"message role(s) {roles} are not one of {list(CHAT_ROLES)}")
-    messages = [{"role": m["role"], "content": m["content"]} for m in prompt if m["content"].strip()]
-    if not messages:
-        return [], ("empty_prompt", "every prompt message is empty")
-    return messages, None
-
-
-def _fit_length(row: dict[str, Any], tokenizer, *, max_tokens: int, policy: str) -> Reject | None:
-    """Rejects an overlong prompt, or truncates it (token ids and the text decoded from them)."""
-    ids = row["prompt_token_ids"]
-    if len(ids) <= max_tokens:
-        return None
-    if policy == "reject":
-        return Reject(
-            row["source_file"],
-            row["source_row"],
-            row["prompt_id"],
-            "prompt_too_long",
-            f"{len(ids)} tokens > data.max_prompt_tokens={max_tokens}",
-        )
-    row["prompt_token_ids"] = ids[-max_tokens:] if policy == "truncate_left" else ids[:max_tokens]
-    row["prompt_text"] = tokenizer.decode(row["prompt_token_ids"], skip_special_tokens=False)
-    row["truncated"] = True
-    return None
-
-
-def _tokenize_into(row: dict[str, Any], tokenizer, *, apply_template: bool) -> None:
-    if apply_template:
-        text = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n".join(m["content"] for m in row["messages"])
-    row["prompt_text"] = text
-    row["messages_json"] = json.dumps(row["messages"], ensure_ascii=False)
-    row["prompt_token_ids"] = tokenizer(text, add_special_tokens=not apply_template)["input_ids"]
-
-
-def _write(output_dir: str, rows: list[dict], rejects: list[Reject], *, shard_size: int) -> StageOutput:
-    schema = load_schema("prompts")
-    parts = []
-    for shard_index, start in enumerate(range(0, len(rows), shard_size)):
-        chunk = rows[start : start + shard_size]
-        table = pa.Table.from_pylist([{k: r[k] for k in schema.names} for r in chunk], schema=schema)
-        name = part_name(shard_index)
-        num_bytes, digest = write_parquet_atomic(table, join(output_dir, name))
-        parts.append(PartInfo(name=name, rows=table.num_rows, sha256=digest, num_bytes=num_bytes))
-    reject_schema = load_schema("prompt_rejects")
-    reject_table = pa.Table.from_pylist([r.__dict__ for r in rejects], schema=reject_schema)
-    reject_name = "_rejects/" + part_name(0)
-    num_bytes, digest = write_parquet_atomic(reject_table, join(output_dir, reject_name))
-    counts = {"prompts": len(rows), "rejected": len(rejects)}
-    counts.update({f"rejected/{reason}": n for reason, n in _reason_counter(rejects).items()})
-    for row in rows:
-        key = f"data_source/{row['data_source']}"
-        counts[key] = counts.get(key, 0) + 1
-    if rejects:
-        logger.warning(
-            "ingest rejected %d row(s): %s (see %s)",
-            len(rejects),
-            _reason_counts(rejects),
-            join(output_dir, reject_name),
-        )
-    return StageOutput(
-        parts=parts, counts=counts, extra_parts={"rejects": [PartInfo(reject_name, len(rejects), digest, num_bytes)]}
-    )
-
-
-def _reason_counter(rejects: list[Reject]) -> dict[str, int]:
-    counter: dict[str, int] = {}
-    for r in rejects:
-        counter[r.reason] = counter.get(r.reason, 0) + 1
-    return counter
-
-
-def _reason_counts(rejects: list[Reject]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(_reason_counter(rejects).items())) or "none"
+def _reason_counts(counts: dict[str, int]) -> str:
+    reasons = {k.removeprefix("rejected/"): v for k, v in counts.items() if k.startswith("rejected/")}
+    return ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())) or "none"

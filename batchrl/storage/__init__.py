@@ -6,7 +6,7 @@ environment (AWS_* variables, including AWS_ENDPOINT_URL for S3-compatible store
 
 from batchrl.storage.fs import (
     StorageError,
-    expand_parquet_files,
+    expand_input_files,
     file_identities,
     is_local,
     is_transient_storage_error,
@@ -24,7 +24,7 @@ from batchrl.storage.layout import RunLayout
 __all__ = [
     "RunLayout",
     "StorageError",
-    "expand_parquet_files",
+    "expand_input_files",
     "file_identities",
     "is_transient_storage_error",
     "is_local",

@@ -136,8 +136,17 @@ def sha256_of(uri: str) -> str:
     return digest.hexdigest()
 
 
-def expand_parquet_files(patterns: list[str]) -> list[str]:
-    """Files, directories (their *.parquet, recursively) and globs -> a sorted, de-duplicated list of URIs."""
+INPUT_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz")  # what a directory of prompt files is searched for
+
+
+def is_jsonl(uri: str) -> bool:
+    """Whether ``uri`` is read as JSON Lines (``*.jsonl``, ``*.jsonl.gz``); any other file is read as Parquet."""
+    return uri.endswith((".jsonl", ".jsonl.gz"))
+
+
+def expand_input_files(patterns: list[str]) -> list[str]:
+    """Files, directories (their *.parquet, *.jsonl and *.jsonl.gz, recursively) and globs -> a sorted,
+    de-duplicated list of URIs. A file named explicitly or by a glob is taken whatever its suffix."""
     out: list[str] = []
     for pattern in patterns:
         fs, path = resolve(pattern)
@@ -146,14 +155,16 @@ def expand_parquet_files(patterns: list[str]) -> list[str]:
             matches = [p for p in fs.glob(path) if fs.isfile(p)]
         elif fs.isdir(path):
             matches = [
-                p for p in fs.find(path) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith((".", "_"))
+                p
+                for p in fs.find(path)
+                if p.endswith(INPUT_SUFFIXES) and not p.rsplit("/", 1)[-1].startswith((".", "_"))
             ]
         elif fs.isfile(path):
             matches = [path]
         else:
             raise StorageError(f"data.train_files: {pattern!r} does not exist (no file, directory or glob match)")
         if not matches:
-            raise StorageError(f"data.train_files: {pattern!r} matched no .parquet files")
+            raise StorageError(f"data.train_files: {pattern!r} matched no .parquet, .jsonl or .jsonl.gz files")
         out.extend(prefix + m for m in sorted(matches))
     return list(dict.fromkeys(out))
 

@@ -46,6 +46,13 @@ def test_a_file_without_a_prompt_column_exits_3_naming_the_file_and_column_and_w
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_jsonl_file_whose_records_have_no_prompt_exits_3_naming_the_file_and_writes_nothing(tmp_path, pipeline):
+    (tmp_path / "q.jsonl").write_text('{"question": "1+1?", "ground_truth": "2", "data_source": "arith"}\n')
+    result = cli("run", pipeline(BAD | {"data.train_files": [str(tmp_path / "q.jsonl")]}))
+    assert_data_error(result, f"{tmp_path / 'q.jsonl'} has no 'prompt' column")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize(
     "content", [b"", b"prompt,ground_truth,data_source\n1+1?,2,arith\n"], ids=["zero_bytes", "csv_named_parquet"]
 )

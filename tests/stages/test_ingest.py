@@ -15,7 +15,8 @@ from batchrl.config.models import ScoreConfig
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import StageContext
 from batchrl.rewards.gsm8k import gsm8k_strict
-from batchrl.stages.ingest import IngestStage, ground_truth_text
+from batchrl.stages.ingest import IngestStage
+from batchrl.stages.ingest_rows import ground_truth_text
 from batchrl.storage import RunLayout, read_parquet
 from batchrl_toy import build_toy_tokenizer
 
@@ -41,7 +42,15 @@ def make_ctx(tmp_path, tokenizer_dir, files, **data):
         inputs={},
         input_dirs={},
         policy_in=tokenizer_dir,
+        embedded_ray=True,  # as under the runner: a small input is ingested in this process
     )
+
+
+def read_rejects(ctx, out) -> list[dict]:
+    """Every rejects part's rows (one part per input chunk that rejected something), in table order."""
+    return [
+        row for part in out.extra_parts["rejects"] for row in read_parquet(f"{ctx.output_dir}/{part.name}").to_pylist()
+    ]
 
 
 def write_ours(path, rows):
@@ -101,7 +110,7 @@ def test_malformed_rows_are_counted_into_the_rejects_table_with_reasons(tmp_path
     out = IngestStage().run(ctx)
     assert out.counts["prompts"] == 1
     assert out.counts["rejected"] == 5
-    rejects = read_parquet(f"{ctx.output_dir}/{out.extra_parts['rejects'][0].name}").to_pylist()
+    rejects = read_rejects(ctx, out)
     assert {(r["prompt_id"], r["reason"]) for r in rejects} == {
         ("null", "empty_prompt"),
         ("blank", "empty_prompt"),
@@ -165,7 +174,7 @@ def test_a_float_ground_truth_is_written_without_a_trailing_zero_so_a_correct_an
     assert [(r["prompt_id"], r["ground_truth"]) for r in written] == [("a", "19"), ("b", "2.5")]
     assert gsm8k_strict("12 + 7 = 19\n#### 19", written[0]["ground_truth"]) == 1.0
     assert out.counts["rejected/bad_ground_truth"] == 2
-    rejects = read_parquet(f"{ctx.output_dir}/{out.extra_parts['rejects'][0].name}").to_pylist()
+    rejects = read_rejects(ctx, out)
     assert {r["prompt_id"]: r["detail"] for r in rejects} == {
         "c": "ground truth is nan, not a number an answer can equal",
         "d": "ground truth is inf, not a number an answer can equal",
@@ -222,7 +231,7 @@ def test_unknown_roles_and_non_text_prompts_are_rejected_with_an_accurate_reason
     ctx = make_ctx(tmp_path, tokenizer_dir, files)
     out = IngestStage().run(ctx)
     assert out.counts["prompts"] == 1
-    rejects = read_parquet(f"{ctx.output_dir}/{out.extra_parts['rejects'][0].name}").to_pylist()
+    rejects = read_rejects(ctx, out)
     assert {(r["prompt_id"], r["reason"]) for r in rejects} == {("robot", "bad_role"), ("n", "bad_prompt")}
     detail = {r["prompt_id"]: r["detail"] for r in rejects}
     assert "'robot'" in detail["robot"] and "int" in detail["n"]

@@ -421,3 +421,27 @@ def test_a_glob_init_from_picks_the_latest_complete_run_before_this_one(tmp_path
     assert lineage.initial_policy == str(tmp_path / "runs" / "nightly-2026-12-02" / "iter_0000" / "policy")
     first = resolve_lineage(config(tmp_path, id="nightly-2026-11-30", init_from=pattern))
     assert first.initial_policy == "Qwen/Qwen2.5-0.5B-Instruct" and first.seen_files == []
+
+
+def test_a_stage_that_resumes_from_its_journal_keeps_its_files_except_its_damaged_parts(tmp_path):
+    cfg = config(tmp_path)
+    ingest = build_plan(cfg, check_storage=False)[0]
+    table = Path(ingest.output_dir)
+    commit(ingest.output_dir, stage="ingest", fp=ingest.fingerprint, num_parts=2)
+    for name in ("_journal/seg-1.json", "_rejects/part-00000.parquet", "part-00007.parquet"):  # journal, unclaimed
+        (table / name).parent.mkdir(exist_ok=True)
+        (table / name).write_bytes(b"kept")
+    (table / "part-00001.parquet").write_bytes(b"truncated")
+    runner = Runner(cfg)
+    step = runner.plan[("ingest", None)]
+    assert (step.status, step.damaged) == ("damaged", ["part-00001.parquet"])
+    runner._prepare_output_dir(step, runner.stages["ingest"])
+    left = sorted(str(p.relative_to(table)) for p in table.rglob("*") if p.is_file())
+    assert left == [
+        "_MANIFEST.json",
+        "_STARTED.json",
+        "_journal/seg-1.json",
+        "_rejects/part-00000.parquet",
+        "part-00000.parquet",
+        "part-00007.parquet",
+    ]

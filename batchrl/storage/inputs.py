@@ -1,0 +1,321 @@
+"""Prompt input files split into chunks that workers read independently, planned without reading the data.
+
+Why chunks: a driver that reads every input row itself holds the whole prompt set and redoes everything after a
+crash. Instead the driver plans chunks from what costs one small request per file (a Parquet footer, a JSONL
+file's size and first line), and each worker reads its chunk itself, from local disk or object storage.
+
+- Parquet: a chunk is contiguous row groups of one file adding up to about ``rows_per_chunk`` rows; a bigger
+  row group is one chunk on its own, unless it exceeds ``SPLIT_ROWS``: then it is split into slices of equal
+  size, each worker reading the row group and keeping its slice (decoding a row group costs far less than
+  tokenizing it, and one file written as a single row group of a million rows would otherwise go to one worker).
+- JSONL (``*.jsonl``): a chunk is a byte range of ``JSONL_CHUNK_BYTES`` (16 MiB); its reader takes the lines that START
+  inside the range (the split rule of Hadoop's text input), so every line is read by exactly one chunk. The row
+  number of a JSONL line (``source_row``, and the default prompt id ``<stem>-<row>``) is its byte offset in the
+  file: a chunk cannot know how many lines come before it without reading them, and an offset is as stable and
+  as easy to find (``tail -c +$((row + 1)) file | head -1``). ``*.jsonl.gz`` cannot be split: one chunk per file,
+  offsets in the decompressed text.
+
+A chunk's key (file index and first row or byte) is stable across runs of the same inputs, chunks are listed in
+input order, and each knows the part names it may write (``first_part`` .. ``first_part + part_capacity - 1``,
+from Parquet's row counts: ``part-00000.parquet``, ... in input order as before), so parts are named before
+any is written and a redone chunk rewrites the same names.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrl.errors import DataError
+from batchrl.storage.fs import file_identities, is_jsonl, resolve
+from batchrl.storage.layout import part_name
+
+SPLIT_ROWS = 65_536  # a Parquet row group larger than this is split into slices of at most this many rows
+JSONL_CHUNK_BYTES = 16 << 20  # ~80k lines of 200 bytes: a few seconds of a worker's time, in memory at once
+READ_BLOCK_BYTES = 8 << 20  # JSONL is read in blocks of this size (fsspec's readline re-reads a whole block)
+HEAD_READ_BYTES = 64 << 10  # planning reads a JSONL file's first record in blocks of this size
+FOOTER_THREADS = 16
+UNBOUNDED = (
+    1 << 62
+)  # the end of a chunk that runs to the end of its file  # footers of many object-store files are read concurrently
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input file as the plan sees it: its identity, the columns (Parquet) or keys of its first record (JSONL),
+    and the rows of each row group (Parquet only)."""
+
+    uri: str
+    index: int
+    size: int
+    version: str
+    columns: tuple[str, ...]
+    row_groups: tuple[int, ...] = ()
+
+    @property
+    def jsonl(self) -> bool:
+        return is_jsonl(self.uri)
+
+    @property
+    def empty(self) -> bool:
+        """No rows (Parquet), no record (JSONL: no non-blank line before the end of the first read)."""
+        return not self.columns if self.jsonl else sum(self.row_groups) == 0
+
+    @property
+    def stem(self) -> str:
+        name = self.uri.rstrip("/").rsplit("/", 1)[-1]
+        for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
+            name = name.removesuffix(suffix)
+        return name
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [first_row, first_row + rows) of a Parquet file, within its row groups [group_start, group_stop); or the
+    lines of a JSONL file starting at a byte in [first_row, stop) (``rows`` None: not known before reading)."""
+
+    uri: str
+    file_index: int
+    version: str
+    ordinal: int  # position in the plan (input order)
+    first_row: int
+    rows: int | None
+    group_start: int = 0
+    group_stop: int = 0
+    stop: int = 0  # JSONL: the byte where the next chunk's lines start
+    first_part: int = 0
+    part_capacity: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"{self.file_index:05d}-{self.first_row:012d}"
+
+    @property
+    def jsonl(self) -> bool:
+        return is_jsonl(self.uri)
+
+    @property
+    def max_rows(self) -> int | None:
+        """Its rows (Parquet), or at most how many lines its byte range can start (a record takes 3 bytes at
+        least: ``{}`` and a newline); None for a gzipped file."""
+        if not self.jsonl:
+            return self.rows
+        return None if self.stop == UNBOUNDED else (self.stop - self.first_row) // 3 + 1
+
+    @property
+    def stem(self) -> str:
+        return InputFile(self.uri, 0, 0, "", ()).stem
+
+    def part_names(self, count: int) -> list[str]:
+        """Names of the chunk's first ``count`` parts: its reserved indices, then (JSONL, whose row count was not
+        known when the indices were reserved) ``part-<last reserved>-<k>.parquet``."""
+        names = []
+        for k in range(count):
+            if k < self.part_capacity:
+                names.append(part_name(self.first_part + k))
+            else:
+                names.append(
+                    part_name(self.first_part + self.part_capacity - 1).removesuffix(".parquet") + f"-{k:04d}.parquet"
+                )
+        return names
+
+    @property
+    def rejects_name(self) -> str:
+        return "_rejects/" + part_name(self.first_part)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Chunk:
+        return cls(**json.loads(text))
+
+
+def describe_inputs(uris: list[str]) -> list[InputFile]:
+    """Each file's identity and footer (Parquet) or first record (JSONL), read concurrently; DataError naming a
+    file that cannot be read."""
+    with ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, max(1, len(uris)))) as pool:
+        return list(pool.map(_describe, uris, range(len(uris))))
+
+
+def _describe(uri: str, index: int) -> InputFile:
+    try:
+        (identity,) = file_identities([uri])
+    except OSError as err:
+        raise DataError(f"data.train_files: {uri} cannot be read ({_first_line(err)})") from None
+    columns, groups = _read_head(uri)
+    return InputFile(uri, index, identity["size"], identity["version"], columns, groups)
+
+
+def plan_chunks(files: list[InputFile], *, rows_per_chunk: int) -> list[Chunk]:
+    """The chunks of ``files`` in input order, with the part names each may write reserved."""
+    chunks: list[Chunk] = []
+    next_part = 0
+    for file in files:
+        for chunk in _jsonl_chunks(file) if file.jsonl else _parquet_chunks(file, rows_per_chunk):
+            capacity = 1 if chunk.rows is None else math.ceil(chunk.rows / rows_per_chunk)
+            chunks.append(
+                Chunk(**{**asdict(chunk), "ordinal": len(chunks), "first_part": next_part, "part_capacity": capacity})
+            )
+            next_part += capacity
+    return chunks
+
+
+def _parquet_chunks(file: InputFile, rows_per_chunk: int) -> Iterator[Chunk]:
+    split_rows = max(SPLIT_ROWS, rows_per_chunk)
+    start_group, first_row, rows = 0, 0, 0
+    for group, group_rows in enumerate(file.row_groups):
+        if rows and rows + group_rows > rows_per_chunk:  # the open chunk is full: emit it
+            yield _parquet_chunk(file, start_group, group, first_row, rows)
+            start_group, first_row, rows = group, first_row + rows, 0
+        if not rows and group_rows > split_rows:  # a big row group alone, in slices
+            slices = math.ceil(group_rows / split_rows)
+            size = math.ceil(group_rows / slices)
+            for offset in range(0, group_rows, size):
+                yield _parquet_chunk(file, group, group + 1, first_row + offset, min(size, group_rows - offset))
+            start_group, first_row = group + 1, first_row + group_rows
+            continue
+        rows += group_rows
+    if rows:
+        yield _parquet_chunk(file, start_group, len(file.row_groups), first_row, rows)
+
+
+def _parquet_chunk(file: InputFile, group_start: int, group_stop: int, first_row: int, rows: int) -> Chunk:
+    return Chunk(
+        uri=file.uri,
+        file_index=file.index,
+        version=file.version,
+        ordinal=0,
+        first_row=first_row,
+        rows=rows,
+        group_start=group_start,
+        group_stop=group_stop,
+    )
+
+
+def _jsonl_chunks(file: InputFile) -> Iterator[Chunk]:
+    if file.uri.endswith(".gz"):  # not splittable: one chunk, offsets in the decompressed text
+        if file.size:
+            yield Chunk(file.uri, file.index, file.version, 0, first_row=0, rows=None, stop=UNBOUNDED)
+        return
+    for start in range(0, file.size, JSONL_CHUNK_BYTES):
+        stop = min(start + JSONL_CHUNK_BYTES, file.size)
+        yield Chunk(file.uri, file.index, file.version, 0, first_row=start, rows=None, stop=stop)
+
+
+def read_chunk(chunk: Chunk, *, columns: list[str]) -> list[tuple[int, dict[str, Any] | str]]:
+    """(row number, record) for every row of the chunk; for a JSONL line that is not a JSON object, (byte offset,
+    why) instead of the record. Parquet: only ``columns`` (those the file has) are read."""
+    if chunk.jsonl:
+        return list(_jsonl_records(chunk))
+    fs, path = resolve(chunk.uri)
+    try:
+        with fs.open(path, "rb") as f:
+            parquet = pq.ParquetFile(f)
+            wanted = [c for c in columns if c in parquet.schema_arrow.names]
+            table = parquet.read_row_groups(list(range(chunk.group_start, chunk.group_stop)), columns=wanted)
+            before = sum(parquet.metadata.row_group(g).num_rows for g in range(chunk.group_start))
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(
+            f"{chunk.uri}: row groups {chunk.group_start}..{chunk.group_stop - 1} cannot be read ({_first_line(err)})"
+        ) from None
+    table = table.slice(chunk.first_row - before, chunk.rows)  # a slice of a big row group
+    return list(enumerate(table.to_pylist(), start=chunk.first_row))
+
+
+def _jsonl_records(chunk: Chunk) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    fs, path = resolve(chunk.uri)
+    try:
+        with fs.open(path, "rb") as raw:
+            f = gzip.GzipFile(fileobj=raw) if chunk.uri.endswith(".gz") else raw
+            for offset, line in lines_starting_in(f, chunk.first_row, chunk.stop):
+                if line.strip():  # a blank line is no record (a file's last newline often leaves one)
+                    yield offset, _json_object(line)
+    except (OSError, EOFError) as err:
+        raise DataError(f"{chunk.uri}: bytes {chunk.first_row}.. cannot be read ({_first_line(err)})") from None
+
+
+def lines_starting_in(f, start: int, stop: int, *, block: int = READ_BLOCK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(offset, line without its newline) of each line of ``f`` that starts at a byte in [start, stop).
+
+    The line that holds byte ``start - 1`` began before ``start`` (or ended there) and belongs to the range
+    before; the line that starts at or after ``stop`` belongs to the range after, while the last line that starts
+    before ``stop`` is read to its end, past ``stop`` if need be.
+    """
+    base = max(start - 1, 0)
+    f.seek(base)
+    buffer = bytearray()
+    skipping = start > 0
+    while True:
+        data = f.read(block)
+        buffer += data
+        cut = 0
+        while (newline := buffer.find(b"\n", cut)) >= 0:
+            line_start = base + cut
+            if skipping:
+                skipping = False
+            elif line_start >= stop:
+                return
+            else:
+                yield line_start, bytes(buffer[cut:newline])
+            cut = newline + 1
+        del buffer[:cut]
+        base += cut
+        if not data:
+            if buffer and not skipping and base < stop:
+                yield base, bytes(buffer)  # a last line without a newline
+            return
+        if base >= stop and not skipping:
+            return
+
+
+def _json_object(line: bytes) -> dict[str, Any] | str:
+    try:
+        value = json.loads(line)
+    except ValueError as err:
+        return f"line is not valid JSON ({err})"
+    if not isinstance(value, dict):
+        return f"line is a JSON {type(value).__name__}, expected an object with the prompt's fields"
+    return value
+
+
+def _read_head(uri: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(column names, rows per row group) of a Parquet file; (keys of the first record, ()) of a JSONL file."""
+    fs, path = resolve(uri)
+    if is_jsonl(uri):
+        return _first_record_keys(uri, fs, path), ()
+    try:
+        with fs.open(path, "rb") as f:
+            metadata = pq.read_metadata(f)
+    except (OSError, pa.ArrowInvalid) as err:
+        raise DataError(f"data.train_files: {uri} is not a readable Parquet file ({_first_line(err)})") from None
+    columns = tuple(metadata.schema.to_arrow_schema().names)
+    return columns, tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
+
+
+def _first_record_keys(uri: str, fs, path: str) -> tuple[str, ...]:
+    """Keys of the first non-blank line's object (() for a file without one); DataError if it is not an object."""
+    try:
+        with fs.open(path, "rb") as raw:
+            f = gzip.GzipFile(fileobj=raw) if uri.endswith(".gz") else raw
+            for _, line in lines_starting_in(f, 0, UNBOUNDED, block=HEAD_READ_BYTES):
+                if line.strip():
+                    record = _json_object(line)
+                    if isinstance(record, str):
+                        raise DataError(f"data.train_files: {uri} is not a readable JSONL file: its first {record}")
+                    return tuple(record)
+    except (OSError, EOFError) as err:
+        raise DataError(f"data.train_files: {uri} is not a readable JSONL file ({_first_line(err)})") from None
+    return ()
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

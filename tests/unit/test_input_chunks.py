@@ -1,0 +1,106 @@
+"""Input chunks: planned from Parquet footers and JSONL sizes, each row read by exactly one chunk, keys and part names
+stable and in input order."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchrl.errors import DataError
+from batchrl.storage import expand_input_files
+from batchrl.storage import inputs as inputs_module
+from batchrl.storage.inputs import describe_inputs, lines_starting_in, plan_chunks, read_chunk
+
+
+def write_parquet(path, num_rows: int, *, row_group_size: int) -> str:
+    table = pa.table({"prompt": [f"q{i}" for i in range(num_rows)], "ground_truth": [str(i) for i in range(num_rows)]})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return str(path)
+
+
+def test_parquet_row_groups_are_combined_up_to_the_chunk_size_and_a_bigger_group_is_a_chunk_alone(tmp_path):
+    small = write_parquet(tmp_path / "a.parquet", 10, row_group_size=3)  # groups 3, 3, 3, 1
+    big = write_parquet(tmp_path / "b.parquet", 9, row_group_size=9)
+    chunks = plan_chunks(describe_inputs([small, big]), rows_per_chunk=6)
+    assert [(c.file_index, c.group_start, c.group_stop, c.first_row, c.rows) for c in chunks] == [
+        (0, 0, 2, 0, 6),
+        (0, 2, 4, 6, 4),
+        (1, 0, 1, 0, 9),
+    ]
+    # part indices are reserved in input order: the 9-row group writes two parts of at most 6 rows
+    assert [c.part_names(c.part_capacity) for c in chunks] == [
+        ["part-00000.parquet"],
+        ["part-00001.parquet"],
+        ["part-00002.parquet", "part-00003.parquet"],
+    ]
+    assert [c.key for c in chunks] == ["00000-000000000000", "00000-000000000006", "00001-000000000000"]
+    rows = [row for chunk in chunks for row in read_chunk(chunk, columns=["prompt"])]
+    assert [(n, r["prompt"]) for n, r in rows] == [(i, f"q{i}") for i in range(10)] + [(i, f"q{i}") for i in range(9)]
+
+
+def test_a_huge_row_group_is_split_into_slices_read_by_different_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(inputs_module, "SPLIT_ROWS", 4)
+    path = write_parquet(tmp_path / "a.parquet", 10, row_group_size=10)
+    chunks = plan_chunks(describe_inputs([path]), rows_per_chunk=2)
+    assert [(c.first_row, c.rows) for c in chunks] == [(0, 4), (4, 4), (8, 2)]
+    read = [n for chunk in chunks for n, _ in read_chunk(chunk, columns=["prompt"])]
+    assert read == list(range(10))
+
+
+def test_every_jsonl_line_is_read_by_exactly_one_byte_range_wherever_the_ranges_split(tmp_path):
+    lines = [json.dumps({"prompt": "x" * (i % 7), "i": i}).encode() for i in range(40)]
+    data = b"\n".join(lines) + b"\n"
+    starts = [0] + [len(b"\n".join(lines[:i])) + 1 for i in range(1, 40)]
+    for size in (1, 2, 5, 13, 64, len(data)):
+        read = []
+        for start in range(0, len(data), size):
+            read += list(lines_starting_in(io.BytesIO(data), start, start + size, block=7))
+        assert read == list(zip(starts, lines)), size
+
+
+def test_a_last_jsonl_line_without_a_newline_is_read(tmp_path):
+    data = b'{"a": 1}\n{"a": 2}'
+    assert list(lines_starting_in(io.BytesIO(data), 0, 4)) == [(0, b'{"a": 1}')]
+    assert list(lines_starting_in(io.BytesIO(data), 4, 100)) == [(9, b'{"a": 2}')]
+
+
+def test_jsonl_chunks_are_byte_ranges_whose_rows_are_byte_offsets_and_bad_lines_say_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(inputs_module, "JSONL_CHUNK_BYTES", 16)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "ground_truth": "1"}\n\n[1, 2]\n{"prompt": "b", "ground_truth": "2"}\nnot json\n')
+    (file,) = describe_inputs([str(path)])
+    assert file.columns == ("prompt", "ground_truth") and not file.empty
+    chunks = plan_chunks([file], rows_per_chunk=100)
+    assert len(chunks) == -(-path.stat().st_size // 16)
+    records = [r for chunk in chunks for r in read_chunk(chunk, columns=[])]
+    assert [offset for offset, _ in records] == [0, 38, 45, 82]
+    assert records[0][1] == {"prompt": "a", "ground_truth": "1"}
+    assert records[1][1] == "line is a JSON list, expected an object with the prompt's fields"
+    assert records[3][1].startswith("line is not valid JSON (")
+    # a JSONL chunk's row count is unknown when parts are named: one index each, then suffixes
+    assert chunks[1].part_names(3) == ["part-00001.parquet", "part-00001-0001.parquet", "part-00001-0002.parquet"]
+
+
+def test_a_gzipped_jsonl_file_is_one_chunk_with_offsets_in_the_decompressed_text(tmp_path):
+    path = tmp_path / "p.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"prompt": "a"}\n{"prompt": "b"}\n'))
+    (chunk,) = plan_chunks(describe_inputs([str(path)]), rows_per_chunk=100)
+    assert read_chunk(chunk, columns=[]) == [(0, {"prompt": "a"}), (16, {"prompt": "b"})]
+
+
+def test_a_jsonl_file_whose_first_line_is_not_an_object_is_a_data_error_naming_it(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("prompt,ground_truth\n")
+    with pytest.raises(DataError, match=f"{path} is not a readable JSONL file: its first line is not valid JSON"):
+        describe_inputs([str(path)])
+
+
+def test_directories_are_searched_for_parquet_and_jsonl_files(tmp_path):
+    for name in ("a.parquet", "b.jsonl", "c.jsonl.gz", "notes.txt", "_hidden.jsonl"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.rsplit("/", 1)[-1] for p in expand_input_files([str(tmp_path)])] == ["a.parquet", "b.jsonl", "c.jsonl.gz"]
