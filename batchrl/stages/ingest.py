@@ -118,7 +118,8 @@ class IngestStage(Stage):
             if file.empty:
                 logger.warning("ingest: %s has no rows", file.uri)
         rows_per_chunk = max(cfg.data.shard_size, MIN_CHUNK_ROWS)
-        ingest = ChunkedIngest(ctx, plan_chunks(files, rows_per_chunk=rows_per_chunk))
+        chunks = plan_chunks(files, rows_per_chunk=rows_per_chunk, rows_per_part=cfg.data.shard_size)
+        ingest = ChunkedIngest(ctx, chunks)
         window = ingest.run()
         output = ingest.output(window)
         if not output.counts["prompts"]:

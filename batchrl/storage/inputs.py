@@ -155,13 +155,15 @@ def _describe(uri: str, index: int) -> InputFile:
     return InputFile(uri, index, identity["size"], identity["version"], columns, groups)
 
 
-def plan_chunks(files: list[InputFile], *, rows_per_chunk: int) -> list[Chunk]:
-    """The chunks of ``files`` in input order, with the part names each may write reserved."""
+def plan_chunks(files: list[InputFile], *, rows_per_chunk: int, rows_per_part: int | None = None) -> list[Chunk]:
+    """The chunks of ``files`` in input order, with the names of the parts of ``rows_per_part`` rows (default:
+    ``rows_per_chunk``) each may write reserved."""
+    rows_per_part = rows_per_part or rows_per_chunk
     chunks: list[Chunk] = []
     next_part = 0
     for file in files:
         for chunk in _jsonl_chunks(file) if file.jsonl else _parquet_chunks(file, rows_per_chunk):
-            capacity = 1 if chunk.rows is None else math.ceil(chunk.rows / rows_per_chunk)
+            capacity = 1 if chunk.rows is None else math.ceil(chunk.rows / rows_per_part)
             chunks.append(
                 Chunk(**{**asdict(chunk), "ordinal": len(chunks), "first_part": next_part, "part_capacity": capacity})
             )

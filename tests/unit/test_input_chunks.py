@@ -27,6 +27,7 @@ def test_parquet_row_groups_are_combined_up_to_the_chunk_size_and_a_bigger_group
     small = write_parquet(tmp_path / "a.parquet", 10, row_group_size=3)  # groups 3, 3, 3, 1
     big = write_parquet(tmp_path / "b.parquet", 9, row_group_size=9)
     chunks = plan_chunks(describe_inputs([small, big]), rows_per_chunk=6)
+    assert [c.part_capacity for c in plan_chunks(describe_inputs([big]), rows_per_chunk=9, rows_per_part=2)] == [5]
     assert [(c.file_index, c.group_start, c.group_stop, c.first_row, c.rows) for c in chunks] == [
         (0, 0, 2, 0, 6),
         (0, 2, 4, 6, 4),
