@@ -48,10 +48,11 @@ from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, 
 from batchrl.stages.ingest_duplicates import later_occurrences
 from batchrl.stages.ingest_rows import check_columns, rewards_need_data_source
 from batchrl.stages.ingest_worker import IngestWorker
-from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve
+from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve, write_parquet_atomic
 from batchrl.storage.inputs import Chunk, InputFile, describe_inputs, plan_chunks
 from batchrl.storage.journal import Journal, record, record_parts
 from batchrl.storage.manifest import PartInfo, file_sizes
+from batchrl.storage.schemas import load_schema
 from batchrl.storage.sources import check_checkpoint_source
 from batchrl.tracking.progress import progress
 
@@ -321,6 +322,8 @@ class ChunkedIngest:
             for key, value in self.records[chunk.key]["counts"].items():
                 counts[key] = counts.get(key, 0) + value
         _remove_strays(self.ctx.output_dir, keep={p.name for p in parts + rejects})
+        if not rejects:  # an empty rejects table, so "what was rejected" always reads (as 0 rows) like the rest
+            rejects = [_empty_rejects_part(self.ctx.output_dir)]
         if counts.get("rejected"):
             logger.warning(
                 "ingest rejected %d row(s): %s (see %s)",
@@ -340,6 +343,12 @@ class ChunkedIngest:
             if chunk.jsonl:
                 read[chunk.uri] = read.get(chunk.uri, 0) + self.records[chunk.key]["read"]
         return [uri for uri, rows in read.items() if not rows]
+
+
+def _empty_rejects_part(output_dir: str) -> PartInfo:
+    name = REJECTS_DIR + "part-00000.parquet"
+    num_bytes, digest = write_parquet_atomic(load_schema("prompt_rejects").empty_table(), join(output_dir, name))
+    return PartInfo(name=name, rows=0, sha256=digest, num_bytes=num_bytes)
 
 
 def _remove_strays(output_dir: str, *, keep: set[str]) -> None:
