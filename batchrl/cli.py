@@ -74,9 +74,11 @@ def _setup_logging(verbose: bool) -> None:
         datefmt="%H:%M:%S",
     )
     if not verbose:
-        import ray  # noqa: F401  (importing Ray configures its logger at INFO: quieten it afterwards)
+        import ray.data  # noqa: F401  (importing Ray, and Ray Data, configures their loggers: quieten them afterwards)
 
-        logging.getLogger("ray").setLevel(logging.ERROR)
+        # Ray Data's logger has its own level and console handler (it does not propagate to "ray").
+        for name in ("ray", "ray.data"):
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineConfig:

@@ -71,6 +71,7 @@ class ShardWorker:
     """Base class of Ray Data actors: ``process(table) -> (table, counts)`` per shard, written atomically."""
 
     schema: str = ""
+    row_group_rows: int | None = None  # rows per row group of the parts written (None: one group per part)
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         raise NotImplementedError
@@ -91,7 +92,7 @@ class ShardWorker:
                 table = table.slice(int(start), int(stop) - int(start))
             table, counts = self.process(table)
             table = conform(table, self.schema)
-            num_bytes, digest = write_parquet_atomic(table, str(output_uri))
+            num_bytes, digest = write_parquet_atomic(table, str(output_uri), row_group_rows=self.row_group_rows)
             results["name"].append(str(name))
             results["rows"].append(table.num_rows)
             results["sha256"].append(digest)

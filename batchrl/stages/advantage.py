@@ -154,6 +154,9 @@ def needs_batch_moments(cfg: AdvantageConfig) -> bool:
 
 class AdvantageWorker(ShardWorker):
     schema = "advantages"
+    # Update ranks read their mini-batches' rows row group by row group (trainer/rows.py): small groups bound
+    # what one read decodes (~128 samples of list columns) whatever data.shard_size and rollout.n are.
+    row_group_rows = 128
 
     def __init__(self, *, config: dict[str, Any], moments: dict[str, float] | None, reference_path: str | None = None):
         self.cfg = AdvantageConfig.model_validate(config)

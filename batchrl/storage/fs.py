@@ -104,11 +104,14 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
             f.write(data)
 
 
-def write_parquet_atomic(table: pa.Table, uri: str) -> tuple[int, str]:
-    """Writes ``table`` to ``uri`` atomically; returns (num_bytes, sha256 hex) of the file written."""
+def write_parquet_atomic(table: pa.Table, uri: str, *, row_group_rows: int | None = None) -> tuple[int, str]:
+    """Writes ``table`` to ``uri`` atomically; returns (num_bytes, sha256 hex) of the file written.
+
+    ``row_group_rows`` caps the rows per row group (pyarrow's default is 1M rows: one group per part), for
+    tables whose readers take a few rows at a time and decode whole row groups to do so."""
     buffer = io.BytesIO()
     if table.num_rows:
-        pq.write_table(table, buffer, compression="zstd")
+        pq.write_table(table, buffer, compression="zstd", row_group_size=row_group_rows)
     else:  # no row group at all: readers such as `datasets` choke on an empty one
         pq.ParquetWriter(buffer, table.schema, compression="zstd").close()
     data = buffer.getvalue()

@@ -107,6 +107,25 @@ def test_advantages_are_group_relative_and_exploded_to_one_row_per_sample():
     assert counts["groups"] == 2 and counts["groups_all_equal"] == 1
 
 
+def test_the_advantage_parts_are_written_in_row_groups_small_enough_for_the_updates_row_reads(tmp_path):
+    import pyarrow.parquet as pq
+
+    from batchrl.storage import write_parquet_atomic
+
+    groups = [(f"p{i}", "1", ["#### 1", "#### 2"] * 50) for i in range(3)]  # 300 samples
+    scored, _ = worker().process(rollouts(groups))
+    write_parquet_atomic(scored, str(tmp_path / "scores.parquet"))
+    job = {"input_uri": [str(tmp_path / "scores.parquet")], "output_uri": [str(tmp_path / "adv.parquet")]}
+    result = advantage_worker(estimator="grpo")(job | {"name": ["adv.parquet"]})
+    footer = pq.ParquetFile(tmp_path / "adv.parquet").metadata
+    assert result["rows"] == [300] and footer.num_rows == 300
+    assert [footer.row_group(g).num_rows for g in range(footer.num_row_groups)] == [128, 128, 44]
+    expected, _ = advantage_worker(estimator="grpo").process(scored)
+    assert pq.read_table(tmp_path / "adv.parquet").column("advantage").to_pylist() == (
+        expected.column("advantage").to_pylist()
+    )
+
+
 def test_drgrpo_subtracts_the_mean_without_std_scaling():
     scored, _ = worker().process(rollouts([("p0", "7", ["#### 7", "#### 8", "#### 8", "#### 8"])]))
     out, _ = advantage_worker(estimator="drgrpo").process(scored)
