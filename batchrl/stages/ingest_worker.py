@@ -1,7 +1,7 @@
 """ingest's worker: one input chunk -> its prompt parts and its rejects part, written atomically; and the rewrite
 of a chunk's parts without rows found later to be duplicates, or past data.max_prompts.
 
-A worker loads the tokenizer once and serves many jobs (a Ray Data actor; on a small input, the driver itself).
+A worker loads the tokenizer once and serves many jobs (a Ray actor; on a small input, the driver itself).
 It returns counts and part infos only, never rows: the driver's memory does not grow with the input.
 
 A chunk's valid rows go into parts of ``data.shard_size`` rows in input order (the last one shorter), named from
@@ -12,7 +12,6 @@ redone chunk rewrites the same files with the same bytes.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
@@ -42,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 class IngestWorker:
-    """Ray Data actor (or the driver's own worker): ``{"job": [json]} -> {"result": [json]}``, one per job. A data
+    """A Ray actor of ingest's IngestPool (or the driver's own worker): ``run_job(job) -> result``. A data
     error (a tokenizer that cannot be loaded or has no chat template, an unreadable row group) comes back as
     ``{"error": message}``, which the driver raises as a DataError: raised here, it would reach the user wrapped in
     Ray's traceback."""
@@ -51,9 +50,6 @@ class IngestWorker:
         self.cfg = cfg
         self.output_dir = output_dir
         self._tokenizer = None
-
-    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
-        return {"result": [json.dumps(self.run_job(json.loads(str(job)))) for job in batch["job"]]}
 
     def run_job(self, job: dict[str, Any]) -> dict[str, Any]:
         chunk = Chunk.from_json(job["chunk"])

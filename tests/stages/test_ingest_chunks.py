@@ -1,4 +1,4 @@
-"""ingest as a distributed, resumable stage: chunks on a Ray Data actor pool, JSON Lines input, duplicates and
+"""ingest as a distributed, resumable stage: chunks on an actor pool, JSON Lines input, duplicates and
 data.max_prompts across chunks, and an interrupted ingest that redoes only its unfinished chunks."""
 
 from __future__ import annotations
