@@ -214,7 +214,9 @@ class ChunkedIngest:
         parts = [(chunk, part) for chunk in window for part in self.prompt_parts(chunk)]
         rows = sum(part.rows for _, part in parts)
         uris = [join(self.ctx.output_dir, part.name) for _, part in parts]
-        found = later_occurrences(uris, in_driver=self._in_driver(len(window), rows))
+        found = later_occurrences(
+            uris, rows=[part.rows for _, part in parts], in_driver=self._in_driver(len(window), rows)
+        )
         if not found:
             return
         drops: dict[str, dict[str, list[int]]] = {}

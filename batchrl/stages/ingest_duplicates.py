@@ -5,10 +5,11 @@ order is kept and every later one is rejected as ``duplicate_prompt_id``. A row 
 counts as an occurrence.
 
 How: once the chunks are written, a hash-partitioned pass over the ``prompt_id`` column of the written parts.
-Map tasks read the column of a group of parts and split (prompt id, position) by a hash of the id into
-``buckets`` tables in Ray's object store; one reduce task per bucket groups its ids with pyarrow and returns only
-the later occurrences (position = part's place in input order << 32 | row). Usually nothing comes back to the
-driver; a heavily duplicated input sends back its duplicates' positions (8 bytes each), not its ids.
+Map tasks read the column of a group of parts and sort (prompt id, position) by a hash of the id into
+``buckets`` ranges of one table in Ray's object store; one reduce task per bucket groups its ids with pyarrow
+and returns only the later occurrences (position = part's place in input order << 32 | row). Usually nothing
+comes back to the driver; a heavily duplicated input sends back its duplicates' positions (8 bytes each), not its
+ids.
 
 Why not a driver-side ``seen`` set, as before: it grows with the rows (~100 bytes per id: 1 GB at 10M prompts).
 Why not Ray Data's ``groupby``: on 200k ids over 2 cores, its sort- or hash-shuffle took 9 s, this pass 0.8 s
@@ -28,40 +29,67 @@ import pyarrow.compute as pc
 from batchrl.storage import read_parquet
 
 PARTS_PER_MAP_TASK = 64
+# A map task takes whole parts adding up to at least this many rows, so that its output (~20 bytes per id) is well
+# over Ray's 100 KB limit for objects returned inline to the caller: inline, every id would land in the driver.
+MIN_ROWS_PER_MAP_TASK = 16_384
 MAX_BUCKETS = 64
 ROW_BITS = 32  # position = part index << ROW_BITS | row
 
 
-def later_occurrences(part_uris: list[str], *, in_driver: bool) -> list[tuple[int, int]]:
-    """(part index, row) of every later occurrence of a prompt id in the parts ``part_uris`` (in input order),
-    sorted. ``in_driver``: a small input, grouped here rather than by Ray tasks."""
+def later_occurrences(part_uris: list[str], *, rows: list[int], in_driver: bool) -> list[tuple[int, int]]:
+    """(part index, row) of every later occurrence of a prompt id in the parts ``part_uris`` (in input order, of
+    ``rows`` rows each), sorted. ``in_driver``: a small input, grouped here rather than by Ray tasks."""
     if not part_uris:
         return []
-    starts = range(0, len(part_uris), PARTS_PER_MAP_TASK)
-    groups = [list(range(start, min(start + PARTS_PER_MAP_TASK, len(part_uris)))) for start in starts]
     if in_driver:
+        starts = range(0, len(part_uris), PARTS_PER_MAP_TASK)
+        groups = [list(range(start, min(start + PARTS_PER_MAP_TASK, len(part_uris)))) for start in starts]
         found = later_in_bucket(*[ids_by_bucket([part_uris[i] for i in g], g, buckets=1)[0] for g in groups])
     else:
-        found = _later_on_ray(part_uris, groups)
+        found = _later_on_ray(part_uris, map_groups(rows))
     positions = np.sort(found.column("position").to_numpy()) if found.num_rows else np.array([], np.int64)
     return [(int(p >> ROW_BITS), int(p & ((1 << ROW_BITS) - 1))) for p in positions]
 
 
+def map_groups(rows: list[int]) -> list[list[int]]:
+    """Consecutive part indices, each group at least MIN_ROWS_PER_MAP_TASK rows (the last may be short)."""
+    groups, group, total = [], [], 0
+    for index, count in enumerate(rows):
+        group.append(index)
+        total += count
+        if total >= MIN_ROWS_PER_MAP_TASK:
+            groups.append(group)
+            group, total = [], 0
+    if group:
+        groups.append(group)
+    return groups
+
+
 def _later_on_ray(part_uris: list[str], groups: list[list[int]]) -> pa.Table:
+    """Map tasks each return ONE object, their ids sorted by bucket with the bucket bounds; reduce task b takes
+    every map object and groups the ids of its bucket. Why one object per map task rather than one per bucket
+    (``num_returns``): a bucket's piece is often under Ray's inline limit, and inline returns are kept in the
+    caller's memory, which made the driver hold every id (+145 MB at 2M prompts, bench_ingest). The cost: each
+    reducer reads every map object, zero-copy from the object store on its node, over the network otherwise."""
     import ray
 
     buckets = max(1, min(MAX_BUCKETS, len(groups)))
-    mapper = ray.remote(num_returns=buckets)(ids_by_bucket) if buckets > 1 else ray.remote(_one_bucket)
+    mapper = ray.remote(_bucketed_ids)
     mapped = [mapper.remote([part_uris[i] for i in g], g, buckets=buckets) for g in groups]
-    if buckets == 1:
-        mapped = [[ref] for ref in mapped]
-    reducer = ray.remote(later_in_bucket)
-    tables = ray.get([reducer.remote(*[refs[b] for refs in mapped]) for b in range(buckets)])
+    reducer = ray.remote(_later_in_one_bucket)
+    tables = ray.get([reducer.remote(b, *mapped) for b in range(buckets)])
     return pa.concat_tables(tables)
 
 
-def _one_bucket(uris: list[str], indices: list[int], *, buckets: int) -> pa.Table:
-    return ids_by_bucket(uris, indices, buckets=buckets)[0]
+def _bucketed_ids(uris: list[str], indices: list[int], *, buckets: int) -> tuple[pa.Table, list[int]]:
+    pieces = ids_by_bucket(uris, indices, buckets=buckets)
+    bounds = np.concatenate([[0], np.cumsum([piece.num_rows for piece in pieces])]).tolist()
+    return pa.concat_tables(pieces), bounds
+
+
+def _later_in_one_bucket(bucket: int, *mapped: tuple[pa.Table, list[int]]) -> pa.Table:
+    pieces = [table.slice(bounds[bucket], bounds[bucket + 1] - bounds[bucket]) for table, bounds in mapped]
+    return later_in_bucket(*pieces)
 
 
 def ids_by_bucket(uris: list[str], indices: list[int], *, buckets: int) -> list[pa.Table]:

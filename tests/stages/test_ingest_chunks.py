@@ -7,6 +7,7 @@ import hashlib
 import json
 import struct
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -232,3 +233,28 @@ def test_inputs_and_the_table_on_s3(tmp_path, tokenizer_dir, s3_bucket):
     out = IngestStage().run(ctx)
     assert [r["prompt_id"] for r in table_rows(ctx, out)] == ["p0", "p1", "p2"]
     assert [(f, reason) for f, _, reason, _ in rejects(ctx, out)] == [("b.jsonl", "duplicate_prompt_id")]
+
+
+def test_the_duplicates_pass_on_ray_tasks_finds_what_the_driver_finds_over_many_buckets(
+    tmp_path, ray_session, monkeypatch
+):
+    from batchrl.stages import ingest_duplicates
+    from batchrl.storage import write_parquet_atomic
+
+    rng = np.random.default_rng(0)
+    uris, rows = [], []
+    for k in range(12):  # ids drawn from 150 values: many repeats within and across parts
+        ids = [f"q{i}" for i in rng.integers(0, 150, size=40)]
+        uri = str(tmp_path / f"part-{k:05d}.parquet")
+        write_parquet_atomic(pa.table({"prompt_id": ids}), uri)
+        uris.append(uri)
+        rows.append(len(ids))
+    expected = ingest_duplicates.later_occurrences(uris, rows=rows, in_driver=True)
+    seen, by_hand = set(), []
+    for k, uri in enumerate(uris):
+        for row, pid in enumerate(pq.read_table(uri).column("prompt_id").to_pylist()):
+            (by_hand.append((k, row)) if pid in seen else seen.add(pid))
+    assert expected == by_hand and len(by_hand) > 300
+    monkeypatch.setattr(ingest_duplicates, "MIN_ROWS_PER_MAP_TASK", 100)  # 3 parts per map task: 4 buckets
+    assert ingest_duplicates.map_groups(rows) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert ingest_duplicates.later_occurrences(uris, rows=rows, in_driver=False) == by_hand
