@@ -69,7 +69,7 @@ def _later_on_ray(part_uris: list[str], groups: list[list[int]]) -> pa.Table:
     """Map tasks each return ONE object, their ids sorted by bucket with the bucket bounds; reduce task b takes
     every map object and groups the ids of its bucket. Why one object per map task rather than one per bucket
     (``num_returns``): a bucket's piece is often under Ray's inline limit, and inline returns are kept in the
-    caller's memory, which made the driver hold every id (+145 MB at 2M prompts, bench_ingest). The cost: each
+    caller's memory, so the driver could end up holding every id (~30 bytes each). The cost: each
     reducer reads every map object, zero-copy from the object store on its node, over the network otherwise."""
     import ray
 
