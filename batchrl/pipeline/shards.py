@@ -253,6 +253,7 @@ def map_shards(
         return
     import ray.data
 
+    size = pool_size(concurrency, len(jobs), ray.available_resources(), num_cpus=num_cpus, num_gpus=num_gpus)
     dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))
     with warnings.catch_warnings():
         # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
@@ -261,7 +262,7 @@ def map_shards(
             worker_cls,
             fn_constructor_kwargs=worker_kwargs,
             batch_size=1,
-            compute=ray.data.ActorPoolStrategy(size=max(1, min(concurrency, len(jobs)))),
+            compute=ray.data.ActorPoolStrategy(size=size),
             num_cpus=num_cpus,
             num_gpus=num_gpus or None,
             max_restarts=ACTOR_MAX_RESTARTS,
@@ -271,6 +272,21 @@ def map_shards(
             for row in mapped.iter_rows():
                 yield row
                 bar.advance()
+
+
+def pool_size(concurrency: int, num_jobs: int, free: dict[str, float], *, num_cpus: float, num_gpus: float) -> int:
+    """Actors of a stage's pool: ``concurrency``, no more than the jobs, nor than the CPUs (GPUs) ``free`` holds.
+
+    Why cap by what is free: an actor that cannot be placed waits, and when the dataset ends before it started,
+    Ray Data cancels it. Pools of 2 CPU actors with 1 CPU free (the engine holds the rest) were seen (Ray 2.60) to
+    lose such an actor in __init__ and leak its CPU lease; the next pool then waited forever (test_batches_run's
+    reference run hung in iteration 3's score stage). The same rule as ingest's pool; at least one actor."""
+    size = max(1, min(concurrency, num_jobs))
+    if num_cpus > 0:
+        size = min(size, int(free.get("CPU", 0) // num_cpus))
+    if num_gpus > 0:
+        size = min(size, int(free.get("GPU", 0) // num_gpus))
+    return max(1, size)
 
 
 def process_in_driver(

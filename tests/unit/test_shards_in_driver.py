@@ -97,3 +97,18 @@ def test_the_driver_writes_the_same_part_as_the_actor_pool(tmp_path):
     assert local_parts == pool_parts and local_counts == pool_counts == {"rows": 3.0}
     written = pq.read_table(tmp_path / "local" / "part-00000.parquet").column("prompt_text").to_pylist()
     assert written == ["q0!", "q1!", "q2!"]
+
+
+def test_pool_size_fits_what_is_free_now() -> None:
+    """A stage's pool never asks for more actors than jobs, nor than the free CPUs (GPUs) can place, and keeps one."""
+    from batchrl.pipeline.shards import pool_size
+
+    assert pool_size(4, 10, {"CPU": 8.0}, num_cpus=1, num_gpus=0) == 4
+    assert pool_size(4, 3, {"CPU": 8.0}, num_cpus=1, num_gpus=0) == 3
+    # The engine holds one of the tiny pipeline's two CPUs: two one-CPU actors would leave one pending.
+    assert pool_size(2, 5, {"CPU": 1.0}, num_cpus=1, num_gpus=0) == 1
+    assert pool_size(4, 10, {"CPU": 5.0}, num_cpus=2, num_gpus=0) == 2
+    assert pool_size(4, 10, {"CPU": 16.0, "GPU": 2.0}, num_cpus=1, num_gpus=1) == 2
+    assert pool_size(4, 10, {"CPU": 16.0, "GPU": 1.0}, num_cpus=1, num_gpus=0.5) == 2
+    # Nothing free right now (another stage's actors still releasing): one actor, which waits its turn.
+    assert pool_size(4, 10, {}, num_cpus=1, num_gpus=0) == 1
