@@ -3,11 +3,11 @@
 Each size runs in its own process (peak RSS is a high-water mark of the process): a synthetic rollouts table
 is produced one shard at a time and each shard goes through what the stages do with it: ScoreWorker.process,
 conform, an atomic Parquet write, a read back, AdvantageWorker.process, conform, a write. Parts are deleted
-once written (disk, not memory, would otherwise grow). Peak RSS comes from getrusage(RUSAGE_SELF).ru_maxrss.
+once written (disk, not memory, would otherwise grow). Peak RSS is the process's VmHWM (bench/peak_rss.py).
 
 Prints the ratio of the 10M peak to the 1M peak (target <= 1.2) and, for scale, the RSS after imports.
 Rule rewards run in-process (score.timeout_s unset): a reward child process would hide its memory from
-RUSAGE_SELF. The reward is exact_match: the bench measures the stage's bookkeeping, not a reward's cost.
+its peak. The reward is exact_match: the bench measures the stage's bookkeeping, not a reward's cost.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -23,10 +22,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+from peak_rss import peak_rss_mb
 
 
 def synthetic_rollouts(shard: int, *, num_groups: int, group_size: int, response_tokens: int) -> pa.Table:

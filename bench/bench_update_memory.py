@@ -12,15 +12,15 @@ toy tokenizer's Qwen2 at its smallest (1 layer, hidden 16): the bench measures m
 32-token prompts and 16-64-token responses, in parts of 256 prompts (2048 rows) as the advantage stage writes them
 for data.shard_size 256, with the prompt_length and response_length columns.
 
-The peak is getrusage(RUSAGE_SELF).ru_maxrss of the rank's process. Prints both peaks and their ratio (large /
-small); `--quick` runs 20k vs 2k samples (a smoke test), `--small` / `--large` set the sizes (multiples of 2048).
+The peak is VmHWM of the rank's process (bench/peak_rss.py: not ru_maxrss, which it inherits from this parent).
+Prints both peaks and their ratio (large / small); `--quick` runs 20k vs 2k samples (a smoke test), `--small` /
+`--large` set the sizes (multiples of 2048).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from peak_rss import peak_rss_mb
 
 SAMPLES_PER_PROMPT = 8
 PROMPTS_PER_PART = 256
@@ -108,8 +109,7 @@ def measure(spec_path: str) -> None:
         for indices in batches[:MINI_BATCHES]:
             optimizer_step(model, optimizer, inputs, indices, spec=spec, ctx=ctx, pad_token_id=0, lr=spec.update.lr)
         spilled.close()
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    report = {"peak_rss_mb": peak_mb, "seconds": time.perf_counter() - started, "pass_seconds": pass_s}
+    report = {"peak_rss_mb": peak_rss_mb(), "seconds": time.perf_counter() - started, "pass_seconds": pass_s}
     print(json.dumps(report | {"mini_batches": len(batches), "samples": index.num_samples}))
 
 

@@ -44,7 +44,7 @@ from batchrl.config import ConfigError, PipelineConfig
 from batchrl.errors import DataError
 from batchrl.pipeline.shards import ACTOR_MAX_RESTARTS, SHARD_MAX_RETRIES
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
-from batchrl.stages.ingest_duplicates import later_occurrences
+from batchrl.stages.ingest_duplicates import later_occurrences, map_groups
 from batchrl.stages.ingest_rows import check_columns, rewards_need_data_source
 from batchrl.stages.ingest_worker import IngestWorker
 from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve, write_parquet_atomic
@@ -150,6 +150,7 @@ class ChunkedIngest:
         self.journal = Journal(ctx.output_dir)
         self.records = self._finished()
         self.driver_worker: IngestWorker | None = None
+        self.pool: IngestPool | None = None  # started on first need, kept for every pass, closed by run()
         self.writer = None
 
     def _finished(self) -> dict[str, dict[str, Any]]:
@@ -166,16 +167,21 @@ class ChunkedIngest:
         """Runs the chunks (those up to data.max_prompts valid prompts), removes duplicates, trims; returns the
         chunks whose parts make the table."""
         limit, end = self.cfg.data.max_prompts, 0
-        with self.journal.writer() as self.writer:
-            while True:
-                end = self._window_end(end, limit)
-                window = self.chunks[:end]
-                self._run_chunks(window)
-                self._drop_duplicates(window)
-                if limit is None or self._prompts(window) >= limit or end == len(self.chunks):
-                    break
-            if limit is not None and self._prompts(window) >= limit:
-                window = self._trim(window, limit)
+        try:
+            with self.journal.writer() as self.writer:
+                while True:
+                    end = self._window_end(end, limit)
+                    window = self.chunks[:end]
+                    self._run_chunks(window)
+                    self._drop_duplicates(window)
+                    if limit is None or self._prompts(window) >= limit or end == len(self.chunks):
+                        break
+                if limit is not None and self._prompts(window) >= limit:
+                    window = self._trim(window, limit)
+        finally:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
         return window
 
     def _window_end(self, end: int, limit: int | None) -> int:
@@ -214,9 +220,11 @@ class ChunkedIngest:
         parts = [(chunk, part) for chunk in window for part in self.prompt_parts(chunk)]
         rows = sum(part.rows for _, part in parts)
         uris = [join(self.ctx.output_dir, part.name) for _, part in parts]
-        found = later_occurrences(
-            uris, rows=[part.rows for _, part in parts], in_driver=self._in_driver(len(window), rows)
-        )
+        workers = None
+        if not self._in_driver(len(window), rows):
+            pool = self._pool(len(map_groups([part.rows for _, part in parts])))
+            workers = pool.actors if pool is not None else None
+        found = later_occurrences(uris, rows=[part.rows for _, part in parts], workers=workers)
         if not found:
             return
         drops: dict[str, dict[str, list[int]]] = {}
@@ -270,13 +278,26 @@ class ChunkedIngest:
         """The workers' results of ``jobs``, as they finish (any order)."""
         if not jobs:
             return
-        if in_driver or not self._pool_size(len(jobs)):
+        pool = None if in_driver else self._pool(len(jobs))
+        if pool is None:
             if self.driver_worker is None:
                 self.driver_worker = IngestWorker(cfg=self.cfg, output_dir=self.ctx.output_dir)
             for job in jobs:
                 yield self.driver_worker.run_job(job)
             return
-        yield from self._on_actor_pool(jobs, what=what)
+        with progress(len(jobs), f"ingest: {what}", enabled=self.cfg.tracking.progress_bars) as bar:
+            for result in pool.map(jobs):
+                yield result
+                bar.advance()
+
+    def _pool(self, num_jobs: int) -> IngestPool | None:
+        """The actor pool, started for a pass of ``num_jobs`` jobs if none runs yet; None when no CPU is free
+        (the driver then does the work). One pool serves every pass (chunks, duplicates, rewrites): its actors
+        are warm, and they hold the CPUs the later passes need."""
+        if self.pool is None:
+            size = self._pool_size(num_jobs)
+            self.pool = IngestPool(self.cfg, self.ctx.output_dir, size=size) if size else None
+        return self.pool
 
     def _pool_size(self, num_jobs: int) -> int:
         """Actors for ``num_jobs`` jobs: data.num_actors (default: one per data.cpus_per_actor CPUs of the cluster),
@@ -288,17 +309,6 @@ class ChunkedIngest:
         wanted = data.num_actors or int(ray.cluster_resources().get("CPU", 1) // data.cpus_per_actor)
         free = int(ray.available_resources().get("CPU", 0) // data.cpus_per_actor)
         return max(0, min(wanted, free, num_jobs))
-
-    def _on_actor_pool(self, jobs: list[dict[str, Any]], *, what: str) -> Iterator[dict[str, Any]]:
-        # one pool per pass: idle actors kept through the duplicates pass would hold the CPUs its tasks need
-        pool = IngestPool(self.cfg, self.ctx.output_dir, size=self._pool_size(len(jobs)))
-        try:
-            with progress(len(jobs), f"ingest: {what}", enabled=self.cfg.tracking.progress_bars) as bar:
-                for result in pool.map(jobs):
-                    yield result
-                    bar.advance()
-        finally:
-            pool.close()
 
     def output(self, window: list[Chunk]) -> StageOutput:
         """The table: the window's parts in input order, its rejects parts, the counts summed; files that no record

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from batchrl.config import PipelineConfig
 from batchrl.errors import DataError
+from batchrl.stages.ingest_duplicates import DuplicatesWorker
 from batchrl.stages.ingest_rows import (
     INPUT_COLUMNS,
     Reject,
@@ -40,11 +41,11 @@ from batchrl.storage.schemas import load_schema
 logger = logging.getLogger(__name__)
 
 
-class IngestWorker:
+class IngestWorker(DuplicatesWorker):
     """A Ray actor of ingest's IngestPool (or the driver's own worker): ``run_job(job) -> result``. A data
     error (a tokenizer that cannot be loaded or has no chat template, an unreadable row group) comes back as
     ``{"error": message}``, which the driver raises as a DataError: raised here, it would reach the user wrapped in
-    Ray's traceback."""
+    Ray's traceback. It also runs the steps of the duplicates pass (DuplicatesWorker)."""
 
     def __init__(self, *, cfg: PipelineConfig, output_dir: str):
         self.cfg = cfg

@@ -235,7 +235,7 @@ def test_inputs_and_the_table_on_s3(tmp_path, tokenizer_dir, s3_bucket):
     assert [(f, reason) for f, _, reason, _ in rejects(ctx, out)] == [("b.jsonl", "duplicate_prompt_id")]
 
 
-def test_the_duplicates_pass_on_ray_tasks_finds_what_the_driver_finds_over_many_buckets(
+def test_the_duplicates_pass_on_ray_actors_finds_what_the_driver_finds_over_many_buckets(
     tmp_path, ray_session, monkeypatch
 ):
     from batchrl.stages import ingest_duplicates
@@ -249,7 +249,7 @@ def test_the_duplicates_pass_on_ray_tasks_finds_what_the_driver_finds_over_many_
         write_parquet_atomic(pa.table({"prompt_id": ids}), uri)
         uris.append(uri)
         rows.append(len(ids))
-    expected = ingest_duplicates.later_occurrences(uris, rows=rows, in_driver=True)
+    expected = ingest_duplicates.later_occurrences(uris, rows=rows, workers=None)
     seen, by_hand = set(), []
     for k, uri in enumerate(uris):
         for row, pid in enumerate(pq.read_table(uri).column("prompt_id").to_pylist()):
@@ -257,4 +257,11 @@ def test_the_duplicates_pass_on_ray_tasks_finds_what_the_driver_finds_over_many_
     assert expected == by_hand and len(by_hand) > 300
     monkeypatch.setattr(ingest_duplicates, "MIN_ROWS_PER_MAP_TASK", 100)  # 3 parts per map task: 4 buckets
     assert ingest_duplicates.map_groups(rows) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    assert ingest_duplicates.later_occurrences(uris, rows=rows, in_driver=False) == by_hand
+    import ray
+
+    workers = [ray.remote(ingest_duplicates.DuplicatesWorker).options(num_cpus=0).remote() for _ in range(3)]
+    try:  # 4 map steps and 4 reduce steps over 3 actors: an actor runs maps of its own and reduces of others'
+        assert ingest_duplicates.later_occurrences(uris, rows=rows, workers=workers) == by_hand
+    finally:
+        for worker in workers:
+            ray.kill(worker)
