@@ -4,6 +4,8 @@ Why plain functions: a reward is the part users most often replace, and a functi
 string is the smallest thing to write (the same shape as TRL's reward functions). `row` carries the prompt row's
 other fields (data_source, prompt_id, extra_info, ...); a function takes what it needs and ignores the rest.
 Returning None means "cannot score this sample" (e.g. no ground truth); the score stage records it as a failure.
+A reward that never reads its ground truth is marked ``@label_free``: prompts without a label may then reach it
+(LabelRule; ingest rejects a row that lacks the label a reward running on it needs).
 
 Which reward scores a row: `score.reward_by_data_source` in the config first, then DATA_SOURCE_DEFAULTS.
 A reward is named either by its key in REWARDS or as ``"package.module:function"``.
@@ -25,6 +27,7 @@ from batchrl.references import import_reference
 from batchrl.rewards.basic import exact_match, format_hash, format_think
 from batchrl.rewards.boxed import format_boxed, math_boxed
 from batchrl.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
+from batchrl.rewards.labels import label_free, needs_ground_truth
 from batchrl.rewards.shaping import overlong_penalty, truncation_penalty
 
 logger = logging.getLogger(__name__)
@@ -59,9 +62,12 @@ __all__ = [
     "DATA_SOURCE_DEFAULTS",
     "REWARDS",
     "ROW_FIELDS",
+    "LabelRule",
     "RewardFn",
     "check_reward_params",
     "default_term_name",
+    "label_free",
+    "needs_ground_truth",
     "resolve_reward",
     "reward_name_for",
 ]
@@ -95,6 +101,44 @@ def reward_name_for(data_source: str, *, overrides: Mapping[str, str] | None = N
         f"{{{data_source}: <reward>}}` to the config, where <reward> is one of {', '.join(sorted(REWARDS))} "
         "or 'package.module:function'"
     )
+
+
+class LabelRule:
+    """Which reward that runs on a row needs its ground truth, from the score config (``score``: ScoreConfig).
+
+    What runs on a row: every ``score.rewards`` term (and the reward model) when terms are listed; the reward
+    model alone when it is set without terms; otherwise the reward of the row's data_source. A reward needs a
+    ground truth unless it is marked ``@label_free`` (batchrl.rewards.labels); the reward model needs none.
+    Resolving a reward imports a user's module: an unknown reward raises ValueError here, as at scoring."""
+
+    def __init__(self, score: Any):
+        self.overrides = dict(score.reward_by_data_source)
+        self.by_source = not score.rewards and score.reward_model is None
+        needing = [t.component_name for t in score.rewards if needs_ground_truth(resolve_reward(t.reward))]
+        self.term = needing[0] if needing else None
+        self._cache: dict[str, str | None] = {}
+
+    def needing_label(self, data_source: str) -> str | None:
+        """The name of a reward that runs on rows of ``data_source`` and needs a ground truth; None if none does."""
+        if not self.by_source:
+            return self.term
+        if data_source not in self._cache:
+            try:
+                name = reward_name_for(data_source, overrides=self.overrides)
+            except ValueError:  # no reward for it: the score stage's preflight says so; a label cannot hurt
+                self._cache[data_source] = f"the reward of data_source {data_source!r}"
+            else:
+                self._cache[data_source] = name if needs_ground_truth(resolve_reward(name)) else None
+        return self._cache[data_source]
+
+    @property
+    def every_row(self) -> bool:
+        """Whether every row needs a ground truth, whatever its data_source (an input file must then have the
+        column)."""
+        if not self.by_source:
+            return self.term is not None
+        names = {*self.overrides.values(), *DATA_SOURCE_DEFAULTS.values()}
+        return all(needs_ground_truth(resolve_reward(name)) for name in names)
 
 
 def default_term_name(name_or_ref: str) -> str:

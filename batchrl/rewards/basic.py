@@ -26,6 +26,8 @@ import re
 from decimal import Decimal
 from typing import Any
 
+from batchrl.rewards.labels import label_free
+
 logger = logging.getLogger(__name__)
 
 _DIGITS = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)"  # 1,234,567 or 1234567
@@ -62,6 +64,7 @@ def exact_match(response: str, ground_truth: str | None, **row: Any) -> float | 
     return 1.0 if response == ground_truth else 0.0
 
 
+@label_free
 def format_hash(response: str, ground_truth: str | None = None, **row: Any) -> float:
     """1.0 if the response's last non-blank line is a well-formed ``#### <number>``, else 0.0.
 
@@ -71,6 +74,7 @@ def format_hash(response: str, ground_truth: str | None = None, **row: Any) -> f
     return 1.0 if lines and _HASH_ANSWER_LINE.fullmatch(lines[-1]) else 0.0
 
 
+@label_free
 def format_think(response: str, ground_truth: str | None = None, **row: Any) -> float:
     """1.0 for ``<think>reasoning</think> answer`` (one of each tag, neither part blank), else 0.0."""
     if response.count("<think>") != 1 or response.count("</think>") != 1:

@@ -31,6 +31,8 @@ import re
 import threading
 from typing import Any
 
+from batchrl.rewards.labels import label_free
+
 logger = logging.getLogger(__name__)
 
 _BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -108,6 +110,7 @@ def math_boxed(response: str, ground_truth: str | None, **row: Any) -> float | N
     return None if equal is None else float(equal)
 
 
+@label_free
 def format_boxed(response: str, ground_truth: str | None = None, **row: Any) -> float:
     """Registry reward "format_boxed": 1.0 if the response has exactly one box, closed and non-empty, else 0.0.
 

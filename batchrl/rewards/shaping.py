@@ -21,10 +21,12 @@ import logging
 from typing import Any
 
 from batchrl.algorithms.advantages import overlong_penalty as overlong_penalty_of_lengths
+from batchrl.rewards.labels import label_free
 
 logger = logging.getLogger(__name__)
 
 
+@label_free
 def overlong_penalty(
     response: str,
     ground_truth: str | None = None,
@@ -50,6 +52,7 @@ def overlong_penalty(
     return float(penalty)
 
 
+@label_free
 def truncation_penalty(
     response: str, ground_truth: str | None = None, *, finish_reason: str, penalty: float = -1.0, **row: Any
 ) -> float:

@@ -44,6 +44,7 @@ from batchrl.config import ConfigError, PipelineConfig
 from batchrl.errors import DataError
 from batchrl.pipeline.shards import ACTOR_MAX_RESTARTS, SHARD_MAX_RETRIES
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
+from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_duplicates import later_occurrences, map_groups
 from batchrl.stages.ingest_rows import check_columns, rewards_need_data_source
 from batchrl.stages.ingest_worker import IngestWorker
@@ -135,9 +136,15 @@ class IngestStage(Stage):
 def check_files(files: list[InputFile], cfg: PipelineConfig) -> None:
     """DataError naming the first file without a required column (a JSONL file: in its first record)."""
     needs_data_source = rewards_need_data_source(cfg)
+    try:
+        needs_ground_truth = LabelRule(cfg.score).every_row
+    except ValueError as err:  # an unknown reward: named by the score stage's own check too
+        raise ConfigError(f"score: {err}") from None
     for file in files:
         if not (file.jsonl and file.empty):
-            check_columns(file.uri, set(file.columns), needs_data_source=needs_data_source)
+            check_columns(
+                file.uri, set(file.columns), needs_data_source=needs_data_source, needs_ground_truth=needs_ground_truth
+            )
 
 
 class ChunkedIngest:

@@ -5,8 +5,10 @@ Accepts two layouts, per record: batchrl's (``prompt`` as a string or chat messa
 ``data_source``, ``prompt_id``, ``extra_info``) and verl's (``data_source``, ``prompt`` as chat messages,
 ``reward_model.ground_truth``, ``extra_info``). A missing ``prompt_id`` becomes ``<file stem>-<row>``, a missing
 ``data_source`` becomes ``unknown``. Reject reasons: empty_prompt, bad_prompt, bad_messages, bad_role,
-bad_ground_truth, missing_ground_truth, prompt_too_long (here), bad_json (a JSONL line that is not a JSON object,
-found by the reader) and duplicate_prompt_id (found across the whole input, see ingest_duplicates).
+bad_ground_truth, missing_ground_truth (only where a reward that runs on the row needs a label: LabelRule; a
+prompt may have none when its rewards are label-free, e.g. a reward model alone), prompt_too_long (here),
+bad_json (a JSONL line that is not a JSON object, found by the reader) and duplicate_prompt_id (found across the
+whole input, see ingest_duplicates).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from batchrl.config import PipelineConfig
 from batchrl.errors import DataError
+from batchrl.rewards import LabelRule
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render (OpenAI's, verl's data)
 INPUT_COLUMNS = ["prompt_id", "data_source", "prompt", "ground_truth", "reward_model", "extra_info"]
@@ -93,8 +96,9 @@ def _plain_decimal(number: Decimal) -> str:
     return format(integral if number == integral else number.normalize(), "f")
 
 
-def validate(row: dict[str, Any]) -> Reject | None:
-    """The reject of a row whose prompt or ground truth is unusable; None (and its ``messages`` set) otherwise."""
+def validate(row: dict[str, Any], labels: LabelRule) -> Reject | None:
+    """The reject of a row whose prompt or ground truth is unusable, or that lacks the ground truth a reward that
+    runs on it needs (``labels``); None (and its ``messages`` set) otherwise."""
 
     def reject(reason: str, detail: str) -> Reject:
         return Reject(row["source_file"], row["source_row"], row["prompt_id"], reason, detail)
@@ -104,8 +108,13 @@ def validate(row: dict[str, Any]) -> Reject | None:
         return reject(*problem)
     if row["ground_truth_problem"] is not None:
         return reject("bad_ground_truth", row["ground_truth_problem"])
-    if row["ground_truth"] is None or not row["ground_truth"].strip():
-        return reject("missing_ground_truth", "no ground_truth / reward_model.ground_truth")
+    if row["ground_truth"] is not None and not row["ground_truth"].strip():
+        row["ground_truth"] = None  # a blank label is no label
+    if row["ground_truth"] is None:
+        needing = labels.needing_label(row["data_source"])
+        if needing is not None:
+            detail = f"no ground_truth / reward_model.ground_truth, which reward {needing!r} needs"
+            return reject("missing_ground_truth", detail)
     row["messages"] = messages
     return None
 
@@ -219,16 +228,20 @@ def rewards_need_data_source(cfg: PipelineConfig) -> bool:
     return not cfg.score.rewards and cfg.score.reward_model is None
 
 
-def check_columns(uri: str, columns: set[str], *, needs_data_source: bool) -> None:
-    """DataError naming the file and the first required column it lacks."""
+def check_columns(uri: str, columns: set[str], *, needs_data_source: bool, needs_ground_truth: bool = True) -> None:
+    """DataError naming the file and the first required column it lacks (the ground truth only when every row
+    needs one: LabelRule.every_row)."""
     layouts = (
         "use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or verl's "
         "(prompt, reward_model.ground_truth, data_source)"
     )
     if "prompt" not in columns:
         missing, hint = "'prompt'", layouts
-    elif "ground_truth" not in columns and "reward_model" not in columns:
-        missing, hint = "'ground_truth' (or verl's 'reward_model')", layouts
+    elif needs_ground_truth and "ground_truth" not in columns and "reward_model" not in columns:
+        missing, hint = (
+            "'ground_truth' (or verl's 'reward_model')",
+            f"{layouts}; every reward that runs needs it, unless marked @label_free (batchrl.rewards)",
+        )
     elif needs_data_source and "data_source" not in columns:
         missing, hint = (
             "'data_source'",

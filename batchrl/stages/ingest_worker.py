@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from batchrl.config import PipelineConfig
 from batchrl.errors import DataError
+from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_duplicates import DuplicatesWorker
 from batchrl.stages.ingest_rows import (
     INPUT_COLUMNS,
@@ -50,13 +51,16 @@ class IngestWorker(DuplicatesWorker):
     def __init__(self, *, cfg: PipelineConfig, output_dir: str):
         self.cfg = cfg
         self.output_dir = output_dir
+        self.labels = LabelRule(cfg.score)
         self._tokenizer = None
 
     def run_job(self, job: dict[str, Any]) -> dict[str, Any]:
         chunk = Chunk.from_json(job["chunk"])
         try:
             if job["kind"] == "chunk":
-                return ingest_chunk(chunk, self.tokenizer(), cfg=self.cfg, output_dir=self.output_dir)
+                return ingest_chunk(
+                    chunk, self.tokenizer(), cfg=self.cfg, output_dir=self.output_dir, labels=self.labels
+                )
             return rewrite_chunk(job, chunk, self.tokenizer, cfg=self.cfg, output_dir=self.output_dir)
         except DataError as err:
             return {"error": str(err)}
@@ -82,7 +86,7 @@ def chat_template_problem(cfg: PipelineConfig, tokenizer) -> str | None:
     return None
 
 
-def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: str) -> dict[str, Any]:
+def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: str, labels: LabelRule) -> dict[str, Any]:
     """Reads, validates, templates and tokenizes one chunk, writes its parts and rejects; returns what the journal
     records of it (parts, counts, rows read)."""
     data = cfg.data
@@ -93,7 +97,7 @@ def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: st
             rejects.append(Reject(chunk.uri, row_number, None, "bad_json", raw))
             continue
         row = normalized_row(raw, uri=chunk.uri, stem=chunk.stem, row=row_number)
-        reject = validate(row)
+        reject = validate(row, labels)
         (rows if reject is None else rejects).append(row if reject is None else reject)
     tokenize_rows(rows, tokenizer, apply_template=data.apply_chat_template)
     kept = []

@@ -281,3 +281,72 @@ def test_an_unreadable_input_file_is_a_data_error_naming_it_before_anything_is_w
     with pytest.raises(DataError, match=f"{path} is not a readable Parquet file"):
         IngestStage().run(ctx)
     assert not (tmp_path / "runs").exists()
+
+
+def test_prompts_without_labels_are_kept_when_no_reward_that_runs_on_them_needs_one(tmp_path, tokenizer_dir):
+    """Label-free prompts: a reward model alone, or label-free terms, need no ground_truth column; with rewards by
+    data_source, a row is rejected only when its own data_source's reward needs the label it lacks."""
+    path = write_ours(
+        tmp_path / "nolabels.parquet",
+        [{"prompt_id": f"c{i}", "data_source": "chat", "prompt": f"Say hello {i}"} for i in range(3)],
+    )
+    ctx = make_ctx(tmp_path, tokenizer_dir, [path])
+    with pytest.raises(DataError, match="no 'ground_truth' .* column.*@label_free"):  # the defaults need labels
+        IngestStage().check_inputs(ctx.cfg)
+    for score in (
+        ScoreConfig(reward_model={"path": tokenizer_dir}),
+        ScoreConfig(rewards=[{"reward": "format_think"}, {"reward": "overlong_penalty", "params": {"max_length": 9}}]),
+    ):
+        cfg = ctx.cfg.model_copy(update={"score": score})
+        IngestStage().check_inputs(cfg)
+        out = IngestStage().run(dataclasses.replace(ctx, cfg=cfg, output_dir=f"{ctx.output_dir}-{len(score.rewards)}"))
+        assert out.counts["prompts"] == 3 and out.counts["rejected"] == 0
+        table = read_parquet(f"{ctx.output_dir}-{len(score.rewards)}/{out.parts[0].name}")
+        assert table.column("ground_truth").to_pylist() == [None] * 3
+    # a term that needs a label, beside the reward model: every row needs one
+    both = ctx.cfg.model_copy(
+        update={"score": ScoreConfig(rewards=[{"reward": "gsm8k"}], reward_model={"path": tokenizer_dir})}
+    )
+    with pytest.raises(DataError, match="no 'ground_truth'"):
+        IngestStage().check_inputs(both)
+
+
+def test_by_data_source_a_row_lacking_the_label_its_reward_needs_is_rejected_naming_the_reward(tmp_path, tokenizer_dir):
+    rows = [
+        {"prompt_id": "a0", "data_source": "arith", "prompt": "What is 1 + 1?", "ground_truth": "2"},
+        {"prompt_id": "a1", "data_source": "arith", "prompt": "What is 1 + 2?", "ground_truth": None},
+        {"prompt_id": "c0", "data_source": "chat", "prompt": "Think, then greet me", "ground_truth": None},
+        {"prompt_id": "c1", "data_source": "chat", "prompt": "Greet me", "ground_truth": "  "},
+    ]
+    ctx = make_ctx(tmp_path, tokenizer_dir, [write_ours(tmp_path / "mixed.parquet", rows)])
+    cfg = ctx.cfg.model_copy(update={"score": ScoreConfig(reward_by_data_source={"chat": "format_think"})})
+    IngestStage().check_inputs(cfg)
+    out = IngestStage().run(dataclasses.replace(ctx, cfg=cfg))
+    kept = read_parquet(f"{ctx.output_dir}/{out.parts[0].name}").to_pylist()
+    assert [(r["prompt_id"], r["ground_truth"]) for r in kept] == [("a0", "2"), ("c0", None), ("c1", None)]
+    assert [(r["prompt_id"], r["reason"], r["detail"]) for r in read_rejects(ctx, out)] == [
+        ("a1", "missing_ground_truth", "no ground_truth / reward_model.ground_truth, which reward 'gsm8k' needs")
+    ]
+
+
+def test_label_rule_follows_what_runs_on_a_row_and_each_rewards_mark():
+    from batchrl.rewards import REWARDS, LabelRule, label_free, needs_ground_truth
+
+    assert sorted(n for n, fn in REWARDS.items() if not needs_ground_truth(fn)) == [
+        "format_boxed",
+        "format_hash",
+        "format_think",
+        "overlong_penalty",
+        "truncation_penalty",
+    ]
+    by_source = LabelRule(ScoreConfig())
+    assert by_source.needing_label("arith") == "gsm8k" and by_source.needing_label("math") == "math"
+    assert by_source.needing_label("nobody") == "the reward of data_source 'nobody'" and by_source.every_row
+    mixed = LabelRule(ScoreConfig(reward_by_data_source={"chat": "format_hash"}))
+    assert mixed.needing_label("chat") is None and mixed.needing_label("arith") == "gsm8k" and not mixed.every_row
+    terms = LabelRule(ScoreConfig(rewards=[{"reward": "format_hash"}, {"reward": "math", "name": "acc"}]))
+    assert terms.needing_label("anything") == "acc" and terms.every_row
+    assert LabelRule(ScoreConfig(reward_model={"path": "rm"})).needing_label("x") is None
+    # a user's function needs a label unless marked
+    assert needs_ground_truth(lambda response, ground_truth, **row: 1.0)
+    assert not needs_ground_truth(label_free(lambda response, ground_truth=None, **row: 1.0))
