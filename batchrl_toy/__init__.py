@@ -20,7 +20,7 @@ from batchrl_toy.assets import (
     reproducible_env,
     setup_toy_assets,
 )
-from batchrl_toy.model import build_toy_model
+from batchrl_toy.model import build_toy_model, build_toy_reward_model
 from batchrl_toy.prompts import BATCHRL_PROMPT_SCHEMA, VERL_PROMPT_SCHEMA, build_arith_prompts
 from batchrl_toy.sft import sft_warm_start
 from batchrl_toy.task import (
@@ -50,6 +50,7 @@ __all__ = [
     "arith_problems",
     "build_arith_prompts",
     "build_toy_model",
+    "build_toy_reward_model",
     "build_toy_tokenizer",
     "ensure_toy_assets",
     "is_held_out",

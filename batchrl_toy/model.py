@@ -64,3 +64,28 @@ def build_toy_model(
     model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     logger.info("built toy %s model (%d params) in %s", arch, model.num_parameters(), out_dir)
+
+
+def build_toy_reward_model(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0
+) -> str:
+    """Save a randomly initialised tiny Qwen2ForSequenceClassification (num_labels=1: a reward model) plus the toy
+    tokenizer into out_dir; returns out_dir. Its scores are arbitrary but deterministic and differ between texts."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = build_toy_tokenizer(out_dir)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    Qwen2ForSequenceClassification(config).save_pretrained(out_dir)
+    return str(out_dir)

@@ -10,31 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 from harness import cli_ok, read_manifest, read_rows
 
+from batchrl_toy import build_toy_reward_model
+
 pytestmark = pytest.mark.slow
-
-
-def tiny_reward_model(path: Path) -> str:
-    """A random Qwen2ForSequenceClassification (num_labels=1) with the toy tokenizer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from batchrl_toy import build_toy_tokenizer
-
-    tokenizer = build_toy_tokenizer(path)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen2ForSequenceClassification(config).save_pretrained(path)
-    return str(path)
 
 
 def test_a_reward_model_alone_trains_on_prompts_without_labels(tmp_path, pipeline, toy_prompts_dir):
@@ -43,11 +21,12 @@ def test_a_reward_model_alone_trains_on_prompts_without_labels(tmp_path, pipelin
     table = table.set_column(table.column_names.index("data_source"), "data_source", [["chat"] * table.num_rows])
     prompts = tmp_path / "unlabelled.parquet"
     pq.write_table(table, prompts)
+    reward_model = build_toy_reward_model(tmp_path / "rm", hidden_size=32, num_layers=1)
     path = pipeline(
         {
             "data.train_files": [str(prompts)],
             # no rule reward (and no default reward exists for data_source "chat"): the reward model alone
-            "score": {"rewards": [], "reward_model": {"path": tiny_reward_model(tmp_path / "rm"), "batch_size": 4}},
+            "score": {"rewards": [], "reward_model": {"path": reward_model, "batch_size": 4}},
         }
     )
     cli_ok("run", path)

@@ -187,27 +187,9 @@ def test_summaries_of_committed_parts_rebuild_the_same_counters():
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory) -> str:
     """A tiny random Qwen2ForSequenceClassification (num_labels=1) with the toy tokenizer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    from batchrl_toy import build_toy_reward_model
 
-    from batchrl_toy import build_toy_tokenizer
-
-    path = tmp_path_factory.mktemp("reward_model")
-    tokenizer = build_toy_tokenizer(path)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen2ForSequenceClassification(config).save_pretrained(path)
-    return str(path)
+    return build_toy_reward_model(tmp_path_factory.mktemp("reward_model"))
 
 
 def direct_logits(model_dir: str, texts: list[str]) -> np.ndarray:
