@@ -3,14 +3,18 @@
 Why one resolver: both follow the same rules. Loading a pipeline checks only a reference's form
 (`is_reference`, a string test); the module is imported, running its top-level code, when the job starts and
 before any work (`import_reference`), so a typo fails at once with a message that names it, and a pipeline
-can be validated, planned or inspected without importing anything it names.
+can be validated, planned or inspected without importing anything it names (a plan reads the source file of
+each custom reward's module, `source_digest`, so that editing the code re-runs what it scored).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import importlib.util
 import re
+from pathlib import Path
 from typing import Any
 
 _REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -36,3 +40,21 @@ def import_reference(reference: str, *, what: str) -> Any:
         return functools.reduce(getattr, attribute_path.split("."), module)
     except AttributeError as error:
         raise ValueError(f"{what} {reference!r}: module {module_name!r} has no attribute {attribute_path!r}") from error
+
+
+def source_digest(reference: str) -> str:
+    """sha256 (16 hex digits) of the source file of the module a reference names, found without importing it
+    (a dotted name imports its parent packages), for stage fingerprints: editing a custom reward re-runs the
+    stages that use it. "unresolved" when the module cannot be found (the job's start then fails, naming it) and
+    "no-source" for a module without a source file (built-in, compiled, namespace)."""
+    module_name = reference.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return "unresolved"
+    if spec is None:
+        return "unresolved"
+    origin = Path(spec.origin) if spec.origin else None
+    if origin is None or not origin.is_file() or origin.suffix != ".py":
+        return "no-source"
+    return hashlib.sha256(origin.read_bytes()).hexdigest()[:16]

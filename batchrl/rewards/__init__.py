@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from batchrl.references import import_reference
+from batchrl.references import import_reference, source_digest
 from batchrl.rewards.basic import exact_match, format_hash, format_think
 from batchrl.rewards.boxed import format_boxed, math_boxed
 from batchrl.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
@@ -69,6 +69,7 @@ __all__ = [
     "label_free",
     "needs_ground_truth",
     "resolve_reward",
+    "reward_code",
     "reward_name_for",
 ]
 
@@ -139,6 +140,16 @@ class LabelRule:
             return self.term is not None
         names = {*self.overrides.values(), *DATA_SOURCE_DEFAULTS.values()}
         return all(needs_ground_truth(resolve_reward(name)) for name in names)
+
+
+def reward_code(score: Any) -> dict[str, str]:
+    """Custom reward references of a score config (terms and reward_by_data_source) -> the digest of their
+    module's source (`source_digest`): part of the fingerprints of the stages that score, so that editing a reward's
+    code re-scores (and re-runs what follows) without --from-stage. Empty without custom rewards, so the
+    fingerprints of runs with built-in rewards only are unchanged. Only the module of the function is read: a
+    helper it imports from another module is not covered (edit that and use --from-stage score)."""
+    references = [t.reward for t in score.rewards] + list(score.reward_by_data_source.values())
+    return {ref: source_digest(ref) for ref in sorted(set(references)) if ref not in REWARDS and ":" in ref}
 
 
 def default_term_name(name_or_ref: str) -> str:

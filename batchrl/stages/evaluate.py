@@ -33,7 +33,7 @@ from batchrl.config import ConfigError, PipelineConfig
 from batchrl.errors import DataError
 from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
-from batchrl.rewards import reward_name_for
+from batchrl.rewards import reward_code, reward_name_for
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import load_schema
@@ -80,7 +80,8 @@ class EvaluateStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         e = cfg.evaluate
-        return {
+        code = reward_code(cfg.score)  # editing a custom reward's module re-evaluates
+        return ({"reward_code": code} if code else {}) | {
             "evaluate": None if e is None else e.model_dump(exclude={"before_training", "every"}),
             "max_new_tokens": None if e is None else max_new_tokens(cfg),
             "score": cfg.score.model_dump(),

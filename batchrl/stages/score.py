@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
-from batchrl.rewards import resolve_reward
+from batchrl.rewards import resolve_reward, reward_code
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
 from batchrl.rewards.isolation import IsolatedRewards
 from batchrl.storage.manifest import Manifest
@@ -320,7 +320,8 @@ class ScoreStage(Stage):
         return {**manifest.stats, "score/failed_samples": manifest.counts.get("failed_samples", 0)}
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        return {"score": cfg.score.model_dump(exclude_defaults=True)}
+        code = reward_code(cfg.score)  # editing a custom reward's module re-scores
+        return {"score": cfg.score.model_dump(exclude_defaults=True)} | ({"reward_code": code} if code else {})
 
     @staticmethod
     def reward_kwargs(cfg: PipelineConfig) -> dict[str, Any]:
