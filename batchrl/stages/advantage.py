@@ -62,9 +62,15 @@ class ShardGroups:
 
 
 def shard_groups(table: pa.Table, *, filter_groups: bool) -> ShardGroups:
+    """The groups of a table whose groups all have the same size (see by_group_size)."""
     scores = table.column("scores").to_pylist()
     if len({len(g) for g in scores}) > 1:
-        raise AssertionError(f"groups of unequal sizes {sorted({len(g) for g in scores})} in one shard")
+        raise ValueError(f"shard_groups takes groups of one size, got {sorted({len(g) for g in scores})}")
+    empty = [row for row, group in enumerate(scores) if not group]
+    if empty:
+        ids = table.column("prompt_id") if "prompt_id" in table.column_names else None
+        which = f"prompt {ids[empty[0]].as_py()!r}" if ids is not None else f"the group in row {empty[0]}"
+        raise DataError(f"{which} has no samples: every group needs at least one")
     rewards_PG = np.asarray(scores, dtype=np.float64).reshape(table.num_rows, -1)
     lengths_PG = np.asarray(table.column("response_lengths").to_pylist(), dtype=np.float64).reshape(rewards_PG.shape)
     keep_P = dynamic_sampling_mask(rewards_PG) if filter_groups and table.num_rows else np.ones(table.num_rows, bool)
@@ -74,6 +80,43 @@ def shard_groups(table: pa.Table, *, filter_groups: bool) -> ShardGroups:
         lengths_PG=lengths_PG[keep_P],
         num_filtered=int((~keep_P).sum()),
     )
+
+
+ROW_KEY = "_group_row"  # a group's row in its shard, carried through by_group_size's pieces
+
+
+def by_group_size(table: pa.Table) -> list[pa.Table]:
+    """The shard's groups split by group size, each piece with the ``ROW_KEY`` column (its rows' places in the
+    shard); the table itself, without that column, when its groups are all one size (generated rollouts).
+
+    Why: the estimators work on dense [P, n] arrays, one row reduction per group; groups of several sizes (logged
+    data, rows dropped upstream) are processed one size at a time, and their samples put back in shard order
+    (``in_shard_order``). A group of one sample gets verl's treatment (GRPO: r / (1 + eps), RLOO: r)."""
+    sizes_P = pc.list_value_length(table.column("scores")).to_numpy(zero_copy_only=False)
+    if len(np.unique(sizes_P)) <= 1:
+        return [table]
+    table = table.append_column(ROW_KEY, pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    return [table.filter(pa.array(sizes_P == size)) for size in np.unique(sizes_P)]
+
+
+def in_shard_order(pieces: list[tuple[pa.Table, np.ndarray]]) -> pa.Table:
+    """The exploded samples of each piece (with the shard rows of its kept groups), concatenated in shard order:
+    groups as in the shard, samples as in their group."""
+    if len(pieces) == 1:
+        return pieces[0][0]
+    rows_S = np.concatenate([np.repeat(rows_P, _samples_per_group(out, rows_P)) for out, rows_P in pieces])
+    return pa.concat_tables([out for out, _ in pieces]).take(pa.array(np.argsort(rows_S, kind="stable")))
+
+
+def _samples_per_group(out: pa.Table, rows_P: np.ndarray) -> int:
+    return out.num_rows // len(rows_P) if len(rows_P) else 0
+
+
+def shard_rows(groups: ShardGroups) -> np.ndarray:
+    """The shard rows of the kept groups of a by_group_size piece (0..P-1 for a whole shard)."""
+    if ROW_KEY in groups.table.column_names:
+        return groups.table.column(ROW_KEY).to_numpy()
+    return np.arange(groups.table.num_rows, dtype=np.int64)
 
 
 class RewardKL:
@@ -164,19 +207,33 @@ class AdvantageWorker(ShardWorker):
         self.reward_kl = reward_kl_for(self.cfg, reference_path)
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
-        groups = shard_groups(table, filter_groups=self.cfg.filter_groups)
-        groups, kl_PG = kl_penalized(groups, self.reward_kl, self.cfg.kl_in_reward_coef)
-        advantages_PG = raw_advantages(groups, self.cfg)
-        if self.moments is not None and advantages_PG.size:
-            advantages_PG = whiten(
-                advantages_PG, eps=self.cfg.whiten_epsilon, weights=groups.lengths_PG, moments=self.moments
-            )
-        out = explode_groups(groups.table, advantages_PG, reward_kl_PG=kl_PG)
-        counts = summarize_advantages(out) | {"groups_filtered": groups.num_filtered}
-        if kl_PG is not None:  # verl's actor/reward_kl_penalty: the mean over samples of the per-token mean KL
-            tokens_PG = np.maximum(groups.lengths_PG, 1.0)
-            counts["reward_kl_token_mean_sum"] = float((kl_PG / tokens_PG).sum())
+        pieces, filtered, kl_token_mean_sum = [], 0, 0.0
+        for piece in by_group_size(table):
+            groups = shard_groups(piece, filter_groups=self.cfg.filter_groups)
+            groups, kl_PG = kl_penalized(groups, self.reward_kl, self.cfg.kl_in_reward_coef)
+            advantages_PG = checked(raw_advantages, groups, self.cfg)
+            if self.moments is not None and advantages_PG.size:
+                advantages_PG = whiten(
+                    advantages_PG, eps=self.cfg.whiten_epsilon, weights=groups.lengths_PG, moments=self.moments
+                )
+            pieces.append((explode_groups(groups.table, advantages_PG, reward_kl_PG=kl_PG), shard_rows(groups)))
+            filtered += groups.num_filtered
+            if kl_PG is not None:  # verl's actor/reward_kl_penalty: the mean over samples of the per-token mean KL
+                kl_token_mean_sum += float((kl_PG / np.maximum(groups.lengths_PG, 1.0)).sum())
+        out = in_shard_order(pieces)
+        counts = summarize_advantages(out) | {"groups_filtered": filtered}
+        if self.reward_kl is not None:
+            counts["reward_kl_token_mean_sum"] = kl_token_mean_sum
         return out, counts
+
+
+def checked(estimate, groups: ShardGroups, cfg: AdvantageConfig) -> np.ndarray:
+    """``estimate(groups, cfg)``, its ValueError (rewards that are not finite, pass@k over a group smaller than k
+    or with non-binary rewards) a DataError naming the estimator."""
+    try:
+        return estimate(groups, cfg)
+    except ValueError as err:
+        raise DataError(f"advantage.estimator {cfg.estimator}: {err}") from None
 
 
 def reward_kl_for(cfg: AdvantageConfig, reference_path: str | None) -> RewardKL | None:
@@ -255,10 +312,12 @@ class MomentsWorker:
         out: dict[str, list] = {"name": [], "moments_json": []}
         for uri, name in zip(batch["input_uri"], batch["name"]):
             table = read_parquet(str(uri), columns=columns)
-            groups, _ = kl_penalized(
-                shard_groups(table, filter_groups=self.cfg.filter_groups), self.reward_kl, self.cfg.kl_in_reward_coef
-            )
-            moments = batch_moments(raw_advantages(groups, self.cfg), weights=groups.lengths_PG)
+            moments = None
+            for piece in by_group_size(table):
+                groups = shard_groups(piece, filter_groups=self.cfg.filter_groups)
+                groups, _ = kl_penalized(groups, self.reward_kl, self.cfg.kl_in_reward_coef)
+                piece_moments = batch_moments(checked(raw_advantages, groups, self.cfg), weights=groups.lengths_PG)
+                moments = piece_moments if moments is None else moments + piece_moments
             out["name"].append(str(name))
             out["moments_json"].append(json.dumps(dataclasses.asdict(moments)))
         return out

@@ -3,8 +3,11 @@ GRPO advantages, and the explode to one row per sample."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from batchrl.algorithms.advantages import batch_moments
@@ -404,3 +407,78 @@ def test_the_stage_merges_each_shards_moments_from_its_workers_and_its_driver_re
     (tmp_path / "advantages" / "part-00001.parquet").unlink()  # a resumed stage: moments come from its journal
     again = advantage_module.AdvantageStage().run(ctx)
     assert moment_jobs == [3, 0] and [p.sha256 for p in again.parts] == [p.sha256 for p in output.parts]
+
+
+def test_groups_of_several_sizes_in_one_shard_get_each_groups_own_advantages_in_shard_order():
+    """Logged data may hold groups of unequal size: each group is normalised by its own statistics (a group of
+    one as verl does: GRPO r / (1 + eps), RLOO r), and the samples stay in the shard's order."""
+    groups = [
+        ("g3", "7", ["#### 7", "#### 8", "#### 7"]),
+        ("g1", "7", ["#### 7"]),
+        ("g2", "1", ["#### 1", "no"]),
+        ("g3b", "2", ["#### 2", "x", "y"]),
+    ]
+    scored, _ = worker().process(rollouts(groups))
+    rewards = [[1.0, 0.0, 1.0], [1.0], [1.0, 0.0], [1.0, 0.0, 0.0]]
+    assert scored.column("scores").to_pylist() == rewards
+    eps = 1e-6
+    by_hand_grpo = [
+        (np.array(r) - np.mean(r)) / (np.std(r, ddof=1) + eps) if len(r) > 1 else np.array(r) / (1 + eps)
+        for r in rewards
+    ]
+    by_hand_rloo = [
+        np.array([x - (sum(r) - x) / (len(r) - 1) for x in r]) if len(r) > 1 else np.array(r) for r in rewards
+    ]
+    for estimator, by_hand in (("grpo", by_hand_grpo), ("rloo", by_hand_rloo)):
+        out, counts = advantage_worker(estimator=estimator).process(scored)
+        out = conform(out, "advantages")
+        assert out.column("prompt_id").to_pylist() == ["g3"] * 3 + ["g1"] + ["g2"] * 2 + ["g3b"] * 3
+        assert out.column("sample_idx").to_pylist() == [0, 1, 2, 0, 0, 1, 0, 1, 2]
+        assert out.column("response_text").to_pylist() == [t for _, _, texts in groups for t in texts]
+        np.testing.assert_allclose(out.column("advantage").to_numpy(), np.concatenate(by_hand), rtol=1e-6, atol=1e-7)
+        assert counts["groups"] == 4 and counts["num_samples"] == 9
+    # dynamic sampling drops the all-equal groups of any size but keeps a lone sample (verl's DAPO recipe)
+    equal = rollouts([("e2", "1", ["#### 1", "#### 1"]), ("s1", "1", ["no"]), ("m3", "1", ["#### 1", "a", "b"])])
+    scored_equal, _ = worker().process(equal)
+    out, counts = advantage_worker(estimator="grpo", filter_groups=True).process(scored_equal)
+    assert out.column("prompt_id").to_pylist() == ["s1"] + ["m3"] * 3 and counts["groups_filtered"] == 1
+
+
+def test_whitening_over_ragged_shards_equals_whitening_the_whole_batch_by_hand(tmp_path):
+    from batchrl.algorithms.advantages import BatchMoments
+    from batchrl.stages.advantage import MomentsWorker
+
+    shard_a = rollouts([("a0", "7", ["#### 7", "#### 8", "x"]), ("a1", "1", ["#### 1", "no"])])
+    shard_b = rollouts([("b0", "3", ["#### 3"]), ("b1", "3", ["#### 3", "#### 4", "#### 3", "q"])])
+    scored = [worker().process(shard)[0] for shard in (shard_a, shard_b)]
+    first_pass = MomentsWorker(config=AdvantageConfig(estimator="reinforce_pp_baseline").model_dump())
+    total = None
+    for k, table in enumerate(scored):  # the stage's first pass, shard by shard, as on the workers
+        pq.write_table(table, tmp_path / f"part-{k}.parquet")
+        row = first_pass({"input_uri": [str(tmp_path / f"part-{k}.parquet")], "name": [f"part-{k}.parquet"]})
+        m = BatchMoments(**json.loads(row["moments_json"][0]))
+        total = m if total is None else total + m
+    moments = {"weight": total.weight, "mean": total.mean, "m2": total.m2}
+    outs = [advantage_worker(moments=moments, estimator="reinforce_pp_baseline").process(t)[0] for t in scored]
+    sharded = np.concatenate([o.column("advantage").to_numpy() for o in outs])
+    rewards = [[1, 0, 0], [1, 0], [1], [1, 0, 1, 0]]
+    centered = np.concatenate([np.array(r) - (np.mean(r) if len(r) > 1 else 0.0) for r in rewards])
+    weights = np.concatenate([np.arange(1, len(r) + 1, dtype=np.float64) for r in rewards])  # response lengths
+    mean = (weights * centered).sum() / weights.sum()
+    var = (weights * (centered - mean) ** 2).sum() / (weights.sum() - 1)
+    np.testing.assert_allclose(sharded, (centered - mean) / np.sqrt(var + 1e-8), rtol=1e-5)
+
+
+def test_a_group_without_samples_or_passk_over_a_smaller_group_is_a_data_error_not_an_assertion():
+    from batchrl.errors import DataError
+
+    scored, _ = worker().process(rollouts([("a", "1", ["#### 1", "no", "#### 1"]), ("b", "1", ["#### 1"])]))
+    with pytest.raises(
+        DataError, match=r"estimator grpo_passk: pass@k needs an integer k in \[1, samples_per_group=1\]"
+    ):
+        advantage_worker(estimator="grpo_passk", passk_k=2).process(scored)
+    empty = scored.set_column(
+        scored.column_names.index("scores"), "scores", pa.array([[1.0, 0.0, 1.0], []], pa.list_(pa.float64()))
+    )
+    with pytest.raises(DataError, match="prompt 'b' has no samples"):
+        advantage_worker(estimator="grpo").process(empty)
