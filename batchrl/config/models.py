@@ -344,7 +344,13 @@ class AdvantageConfig(_Strict):
 
 
 class UpdateConfig(_Strict):
-    num_processes: int = Field(1, ge=1, description="torch.distributed processes for the FSDP2 update.")
+    num_processes: int | Literal["auto"] = Field(
+        1,
+        description="torch.distributed processes (ranks) for the FSDP2 update. auto: one rank per visible GPU "
+        "(nccl), or one per update.cpus_per_rank usable CPUs (gloo); with update.launcher=ray, per GPU (or "
+        "update.cpus_per_rank CPUs) free in the Ray cluster when the update starts. A count above the GPUs of "
+        "this host (nccl, local launcher) is a configuration error.",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend; auto = nccl on GPU, gloo on CPU."
     )
@@ -487,6 +493,8 @@ class UpdateConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> UpdateConfig:
+        if self.num_processes != "auto" and self.num_processes < 1:
+            raise ValueError(f"update.num_processes={self.num_processes}: give a count >= 1, or auto")
         if self.rollout_is_cap is not None and self.old_logprobs != "recompute":
             raise ValueError(
                 "update.rollout_is_cap needs update.old_logprobs=recompute (with rollout logprobs as the "

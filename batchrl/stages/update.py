@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -38,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchrl.config import PipelineConfig
+from batchrl.config import ConfigError, PipelineConfig
+from batchrl.config.models import UpdateConfig
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
@@ -71,6 +73,10 @@ class UpdateStage(Stage):
                 gpus_field="update.num_processes",
             )
         ]
+
+    def check_inputs(self, cfg: PipelineConfig) -> None:
+        cluster = cfg.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+        check_rank_devices(cfg.update, cluster=cluster)
 
     @classmethod
     def close(cls) -> None:
@@ -209,6 +215,49 @@ def _progress_display(bar: ProgressBar) -> Callable[[dict[str, Any]], None]:
     return show
 
 
+def rank_count(u: UpdateConfig, *, on_ray: bool) -> int:
+    """update.num_processes, with auto resolved where the ranks will run (see its description). Why at the update
+    and not in the plan: the ranks' count is placement, like the launcher (FSDP2's optimizer state is a sharded
+    torch.distributed checkpoint, which a different count reshards on load), so the fingerprint keeps "auto" and
+    a run moved to another host resumes without redoing its updates."""
+    if u.num_processes != "auto":
+        return u.num_processes
+    if on_ray:
+        import ray
+
+        free = ray.available_resources()
+        gpus = int(free.get("GPU", 0)) if u.backend != "gloo" else 0
+        return max(1, gpus or int(free.get("CPU", 1) // u.cpus_per_rank))
+    from batchrl.trainer.launch import usable_cpus
+    from batchrl.trainer.spec import resolve_backend
+
+    if resolve_backend(u.backend) == "nccl":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return max(1, int(usable_cpus() // u.cpus_per_rank))
+
+
+def check_rank_devices(u: UpdateConfig, *, cluster: bool) -> None:
+    """ConfigError when update.num_processes asks for more ranks on this host than it has GPUs (nccl, local
+    launcher): ranks past the last GPU would die with "invalid device ordinal" after generation had run."""
+    from batchrl.trainer.spec import resolve_backend
+
+    local = u.launcher == "local" or (u.launcher == "auto" and not cluster)
+    if u.num_processes == "auto" or not local or resolve_backend(u.backend) != "nccl":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if u.num_processes > gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise ConfigError(
+            f"update.num_processes={u.num_processes} ranks with backend nccl need as many GPUs, and this host has "
+            f"{gpus}{shown}; set update.num_processes: auto (one rank per GPU) or at most {gpus}"
+        )
+
+
 def _launcher(cfg: PipelineConfig, *, embedded_ray: bool) -> str:
     """update.launcher, with auto resolved: ray when this process is connected to a Ray cluster (not the runner's
     embedded local Ray, where local processes are the same machine without the actor overhead), else local."""
@@ -237,7 +286,8 @@ def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:
             out_dir=ctx.output_dir,
             metrics_path=str(Path(scratch) / "metrics.json"),
         )
-        with progress(None, f"update: {u.num_processes} rank(s) on Ray", enabled=ctx.cfg.tracking.progress_bars):
+        ranks = spec.update.num_processes
+        with progress(None, f"update: {ranks} rank(s) on Ray", enabled=ctx.cfg.tracking.progress_bars):
             result = run_update_on_ray(spec, timeout_s=u.timeout_s, cpus_per_rank=u.cpus_per_rank)
     parts, extra_parts, state_files = [], {"logprobs": []}, []
     for uploaded in result.uploaded:
@@ -305,8 +355,9 @@ def _spec(
 
     u, cfg = ctx.cfg.update, ctx.cfg
     keeps_state = u.keep_last_k_optimizer_states != 0
+    ranks = rank_count(u, on_ray=_launcher(cfg, embedded_ray=ctx.embedded_ray) == "ray")
     return UpdateSpec(
-        update=u.model_copy(update={"loss_agg_norm_length": _norm_length(cfg)}),
+        update=u.model_copy(update={"loss_agg_norm_length": _norm_length(cfg), "num_processes": ranks}),
         policy_in=policy_in,
         policy_out=policy_out,
         advantages_files=advantages_files,

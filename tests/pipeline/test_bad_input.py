@@ -146,3 +146,10 @@ def test_a_data_source_without_a_reward_stops_the_run_before_generation(tmp_path
     run_dir = tmp_path / "runs" / "bad"
     assert json.loads((run_dir / "prompts" / "_MANIFEST.json").read_text())["counts"]["prompts"] == 1
     assert not (run_dir / "iter_0000").exists()
+
+
+def test_more_nccl_ranks_than_this_hosts_gpus_exits_2_naming_the_count_and_the_gpus(tmp_path, pipeline):
+    """conf/trainer/gpu_nccl.yaml once asked for 8 ranks: on a one-GPU host ranks 1-7 died after generation."""
+    result = cli("run", pipeline(BAD | {"update": {"backend": "nccl", "num_processes": 2}}))
+    assert_config_error(result, "update.num_processes=2", "this host has 0", "update.num_processes: auto")
+    assert not (tmp_path / "runs").exists()
