@@ -337,19 +337,14 @@ def test_an_update_whose_optimizer_state_is_gone_stops_with_exit_3_and_the_redo_
     assert_same_rows(expected_run, run)  # the optimizer state restored exactly: the same weights as before
 
 
-def test_stages_made_from_a_table_that_was_redone_differently_are_redone_even_without_its_old_manifest(
-    reference, tmp_path
-):
+def test_stages_made_from_a_table_that_was_redone_differently_are_redone_even_without_its_old_manifest(reference):
     path, expected_run = reference
     run = copy_run(expected_run, "scores-redone")
-    changed_reward = tmp_path / "changed_reward"  # the reward's code changed: its fingerprint cannot tell
-    changed_reward.mkdir()
-    (changed_reward / "custom_rewards.py").write_text(
-        "def digit_count(response, ground_truth, **row):\n    return float(len(response))\n"
-    )
     before = started_at(run)
     shutil.rmtree(run / "iter_0001" / "scores")
-    cli_ok("run", path, "--run-id", "scores-redone", path_first=[changed_reward])  # shadows tests/stages' module
+    # the reward now scores otherwise, by something neither the config nor its module's source (both in the
+    # fingerprint) shows: an environment variable here; a helper module or a library upgrade in real life
+    cli_ok("run", path, "--run-id", "scores-redone", env={"BATCHRL_TEST_DIGIT_WEIGHT": "3"})
     after = started_at(run)
     assert [rel for rel in STAGE_DIRS if after[rel] != before[rel]] == [
         "iter_0001/scores",

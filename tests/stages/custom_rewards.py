@@ -18,8 +18,11 @@ def length_bonus(response, ground_truth, **row):
 
 
 def digit_count(response, ground_truth, **row):
-    """Varies across the samples of a random model, so group advantages are non-zero."""
-    return float(sum(ch.isdigit() for ch in response))
+    """Varies across the samples of a random model, so group advantages are non-zero. BATCHRL_TEST_DIGIT_WEIGHT
+    scales it: a change of behaviour that neither the config nor this module's source shows (test_faults)."""
+    import os
+
+    return float(os.environ.get("BATCHRL_TEST_DIGIT_WEIGHT", "1")) * sum(ch.isdigit() for ch in response)
 
 
 def sleeps_forever(response, ground_truth, **row):
