@@ -30,7 +30,7 @@ import pyarrow as pa
 from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
 from batchrl.config import PipelineConfig
 from batchrl.pipeline.deadlines import DeadlineStats, run_with_deadlines, task_retries
-from batchrl.pipeline.shards import SHARD_MAX_RETRIES, FinishedShards, ShardWorker, pending_shards
+from batchrl.pipeline.shards import FinishedShards, ShardWorker, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import join, local_copy
 from batchrl.storage.layout import part_name
@@ -39,6 +39,7 @@ from batchrl.storage.manifest import Manifest
 logger = logging.getLogger(__name__)
 
 SHARD_TIMEOUT_RETRIES = 1  # a shard past generate.shard_timeout_s is retried once on its rebuilt engine
+ENGINE_DEATH_RETRIES = 2  # a shard whose engine died (OOM, crash) is retried twice, each on a rebuilt engine
 
 
 def sample_seed(run_seed: int, iteration: int, prompt_id: str, sample_idx: int) -> int:
@@ -167,7 +168,7 @@ class EnginePool:
 
         # A shard is run again after its engine died or was killed at its deadline (run_with_deadlines), a bounded
         # number of times; the actor is restarted as often as that takes.
-        retries = task_retries(timeout_retries=SHARD_TIMEOUT_RETRIES, death_retries=SHARD_MAX_RETRIES)
+        retries = task_retries(timeout_retries=SHARD_TIMEOUT_RETRIES, death_retries=ENGINE_DEATH_RETRIES)
         actor_cls = ray.remote(max_restarts=-1, max_task_retries=retries)(GenerateWorker)
         options = {"num_cpus": num_cpus} | ({"num_gpus": num_gpus} if num_gpus else {})
         self.key = (spec, num_cpus, num_gpus, ray.get_runtime_context().get_job_id())
