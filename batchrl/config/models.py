@@ -181,6 +181,13 @@ class GenerateConfig(_Strict):
         None, ge=1, description="vLLM max sequence length; default prompt limit + max_new_tokens."
     )
     enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in vLLM (faster start-up).")
+    shard_timeout_s: float | None = Field(
+        3600.0,
+        gt=0,
+        description="Deadline of one shard's generation, from its submission to its engine (a rebuilt engine's "
+        "start-up counts). Past it the engine's actor is killed, rebuilt by Ray, and the shard retried once; "
+        "a second overrun stops the run (exit 1) rather than let a hung engine hang it. null: no deadline.",
+    )
     engine_lifetime: Literal["run", "stage"] = Field(
         "run",
         description="run: engines are built once and new policies are pushed into them in place each "

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ import pyarrow as pa
 
 from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
 from batchrl.config import PipelineConfig
+from batchrl.pipeline.deadlines import DeadlineStats, run_with_deadlines, task_retries
 from batchrl.pipeline.shards import FinishedShards, ShardWorker, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import join, local_copy
@@ -35,6 +37,9 @@ from batchrl.storage.layout import part_name
 from batchrl.storage.manifest import Manifest
 
 logger = logging.getLogger(__name__)
+
+SHARD_TIMEOUT_RETRIES = 1  # a shard past generate.shard_timeout_s is retried once on its rebuilt engine
+ENGINE_DEATH_RETRIES = 2  # a shard whose engine died (OOM, crash) is retried twice, each on a rebuilt engine
 
 
 def sample_seed(run_seed: int, iteration: int, prompt_id: str, sample_idx: int) -> int:
@@ -161,7 +166,10 @@ class EnginePool:
     def __init__(self, spec: EngineSpec, *, num_actors: int, num_cpus: float, num_gpus: float):
         import ray
 
-        actor_cls = ray.remote(max_restarts=2, max_task_retries=2)(GenerateWorker)
+        # A shard is run again after its engine died or was killed at its deadline (run_with_deadlines), a bounded
+        # number of times; the actor is restarted as often as that takes.
+        retries = task_retries(timeout_retries=SHARD_TIMEOUT_RETRIES, death_retries=ENGINE_DEATH_RETRIES)
+        actor_cls = ray.remote(max_restarts=-1, max_task_retries=retries)(GenerateWorker)
         options = {"num_cpus": num_cpus} | ({"num_gpus": num_gpus} if num_gpus else {})
         self.key = (spec, num_cpus, num_gpus, ray.get_runtime_context().get_job_id())
         self.actors = [actor_cls.options(**options).remote(spec) for _ in range(num_actors)]
@@ -184,18 +192,31 @@ class EnginePool:
         cls._current = cls(spec, num_actors=max(num_actors, build_actors or 0), num_cpus=num_cpus, num_gpus=num_gpus)
         return cls._current
 
-    def run(self, jobs: list[dict[str, str]], settings: ShardSettings, *, progress_bars: bool) -> list[dict[str, Any]]:
-        from ray.util import ActorPool
-
+    def run(
+        self,
+        jobs: list[dict[str, str]],
+        settings: ShardSettings,
+        *,
+        timeout_s: float | None,
+        stats: DeadlineStats,
+        progress_bars: bool,
+    ) -> Iterator[dict[str, Any]]:
+        """Each shard's result as it finishes; a shard past ``timeout_s`` (generate.shard_timeout_s) kills its
+        engine's actor, which Ray rebuilds, and is retried once, then the run stops (ShardTimeout, exit 1)."""
         from batchrl.tracking.progress import progress
 
-        pool = ActorPool(self.actors)
-        results = []
         with progress(len(jobs), "generate: shards", enabled=progress_bars) as bar:
-            for row in pool.map_unordered(lambda actor, job: actor.generate_shard.remote(job, settings), jobs):
-                results.append(row)
+            for row in run_with_deadlines(
+                self.actors,
+                jobs,
+                lambda actor, job: actor.generate_shard.remote(job, settings),
+                timeout_s=timeout_s,
+                timeout_retries=SHARD_TIMEOUT_RETRIES,
+                what="generate: shard",
+                stats=stats,
+            ):
+                yield row
                 bar.advance()
-        return results
 
     def shutdown(self) -> None:
         import ray
@@ -239,7 +260,14 @@ class GenerateStage(Stage):
         }
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        placement = {"num_actors", "cpus_per_actor", "gpus_per_actor", "gpu_memory_utilization", "enforce_eager"}
+        placement = {
+            "num_actors",
+            "cpus_per_actor",
+            "gpus_per_actor",
+            "gpu_memory_utilization",
+            "enforce_eager",
+            "shard_timeout_s",
+        }
         return {
             "generate": cfg.generate.model_dump(exclude=placement, exclude_defaults=True),
             "seed": cfg.run.seed,
@@ -291,10 +319,24 @@ class GenerateStage(Stage):
                     "stop": tuple(g.stop),
                 },
             )
+            deadlines = DeadlineStats()
             with FinishedShards(jobs, output_dir=ctx.output_dir, parts=parts, counts=counts) as finished:
-                for row in pool.run(jobs, settings, progress_bars=ctx.cfg.tracking.progress_bars):
+                for row in pool.run(
+                    jobs,
+                    settings,
+                    timeout_s=g.shard_timeout_s,
+                    stats=deadlines,
+                    progress_bars=ctx.cfg.tracking.progress_bars,
+                ):
                     finished.add(row)
                     timings.append(json.loads(row["timings_json"]))
+            if deadlines.timeouts:
+                logger.warning(
+                    "generate: %d shard(s) ran past generate.shard_timeout_s; retried on rebuilt engines, they "
+                    "finished",
+                    deadlines.timeouts,
+                )
+                counts["shard_timeouts"] = counts.get("shard_timeouts", 0) + deadlines.timeouts
             if g.engine_lifetime == "stage":
                 pool.shutdown()
         return StageOutput(
