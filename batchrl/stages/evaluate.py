@@ -214,7 +214,7 @@ def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifes
             }
             for p in prompts.parts
         ]
-        for row in pool.run(jobs, settings, progress_bars=False):
+        for row in pool.run(jobs, settings, timeout_s=cfg.generate.shard_timeout_s, progress_bars=False):
             parts.append(part_info(row))
     if cfg.generate.engine_lifetime == "stage":
         pool.shutdown()

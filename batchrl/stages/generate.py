@@ -198,8 +198,8 @@ class EnginePool:
         settings: ShardSettings,
         *,
         timeout_s: float | None,
-        stats: DeadlineStats,
         progress_bars: bool,
+        stats: DeadlineStats | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Each shard's result as it finishes; a shard past ``timeout_s`` (generate.shard_timeout_s) kills its
         engine's actor, which Ray rebuilds, and is retried once, then the run stops (ShardTimeout, exit 1)."""
