@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # `import transformers` beside torch's CPU build; text models need none of them.
 DROP_VISION := $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 
-.PHONY: install install-demo demo lint format test test-fast bench clean
+.PHONY: install install-demo demo lint format test test-fast bench gpu-smoke clean
 
 install: $(VENV)/.installed  # everything: the demo's packages plus the test, tracking and report extras
 
@@ -44,6 +44,12 @@ test-fast: install
 
 bench: install  # all benchmarks -> bench/RESULTS.md; a subset: make bench BENCH="advantage memory resume"
 	$(PY) bench/run_all.py $(BENCH)
+
+# The GPU smoke check (batchrl_toy/smoke.py): PASS/FAIL, time and peak GPU memory per GPU path. On a GPU host, in a
+# venv of its own: python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -e '.[gpu,dev]' && make gpu-smoke
+# VENV=.venv-gpu. Without a GPU it runs the CPU-runnable parts (CI runs them: tests/pipeline/test_gpu_smoke.py).
+gpu-smoke:
+	$(PY) -m batchrl_toy.smoke $(SMOKE_ARGS)
 
 clean:
 	rm -rf runs .cache

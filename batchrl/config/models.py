@@ -188,12 +188,24 @@ class GenerateConfig(_Strict):
         "start-up counts). Past it the engine's actor is killed, rebuilt by Ray, and the shard retried once; "
         "a second overrun stops the run (exit 1) rather than let a hung engine hang it. null: no deadline.",
     )
-    engine_lifetime: Literal["run", "stage"] = Field(
+    engine_lifetime: Literal["run", "sleep", "stage"] = Field(
         "run",
         description="run: engines are built once and new policies are pushed into them in place each "
-        "iteration; stage: engines are released after each generate stage (frees GPU memory for the update "
-        "when generation and training share GPUs).",
+        "iteration. sleep: as run, but after each generate (and evaluate) stage the engines free their device memory "
+        "(vLLM sleep mode level 2: weights and KV cache dropped, the engine and its CUDA graphs kept) and the next "
+        "shard wakes them with the new policy's weights; for generation and training sharing GPUs (vLLM: CUDA "
+        "only; the hf engine anywhere). stage: engines are released after each generate stage and rebuilt for the "
+        "next (the fallback when sleep mode is unavailable).",
     )
+
+    @model_validator(mode="after")
+    def _check_sleep(self) -> GenerateConfig:
+        if self.engine_lifetime == "sleep" and self.engine != "hf" and self.gpus_per_actor <= 0:
+            raise ValueError(
+                "generate.engine_lifetime=sleep needs GPUs for vLLM (its sleep mode is CUDA-only): set "
+                "generate.gpus_per_actor > 0, or engine_lifetime: run (nothing to free on CPU), or engine: hf"
+            )
+        return self
 
 
 class RewardTerm(_Strict):

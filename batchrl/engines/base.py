@@ -16,10 +16,12 @@ trainer that recomputes logprobs at temperature 1 compares against. Both engines
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import numbers
-from collections.abc import Iterable
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 MAX_SEED = 2**63 - 1
+LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,44 @@ class Engine(Protocol):
         """seeds[p][s] seeds sample s of prompt p; prompt p gets len(seeds[p]) samples."""
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Replace the policy weights in place ((name, tensor) pairs in HF state_dict naming)."""
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Replace the policy weights in place with those of a local HF safetensors checkpoint directory (the
+        trainer's output); wakes a sleeping engine."""
+        ...
+
+    def sleep(self) -> None:
+        """Release the weights' and caches' memory until the next load_checkpoint, which must come before the next
+        generate (sleeping between generate stages while the update uses the device)."""
         ...
 
     def close(self) -> None:
         """Free the model and its caches; the engine is unusable afterwards."""
         ...
+
+
+def checkpoint_tensors(checkpoint_dir: str, *, tied_lm_head: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of every tensor in a checkpoint directory's *.safetensors files, read one at a time, on the CPU.
+
+    With `tied_lm_head` and no lm_head.weight in the files, the embedding is yielded a second time under that name:
+    see batchrl.engines.vllm_worker for why vLLM needs it.
+    """
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in checkpoint {checkpoint_dir}")
+    names = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names[path] = list(f.keys())
+    alias = tied_lm_head and not any(LM_HEAD in keys for keys in names.values())
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in names[path]:
+                tensor = f.get_tensor(name)
+                yield name, tensor
+                if alias and name.endswith("embed_tokens.weight"):
+                    yield LM_HEAD, tensor
 
 
 def check_generate_args(prompt_token_ids: list[list[int]], seeds: list[list[int]]) -> None:

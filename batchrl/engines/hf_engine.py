@@ -24,18 +24,19 @@ Departures: no prefix caching or continuous batching (finished rows idle until t
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from batchrl.engines.base import (
+    LM_HEAD,
     LOGPROBS_MODES,
     SampleRecord,
     SamplingSpec,
     check_generate_args,
     check_logprobs_mode,
+    checkpoint_tensors,
     resolve_dtype,
 )
 
@@ -95,6 +96,7 @@ class HFEngine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer, _generation_config(GenerationConfig, model_path))
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.model_path = model_path
+        self._sleeping_buffers: dict[str, torch.Tensor] | None = None  # set while asleep
         logger.info("hf engine ready for %s on %s (%s)", model_path, self.device, self.model.dtype)
 
     def generate(
@@ -106,6 +108,8 @@ class HFEngine:
     ) -> list[list[SampleRecord]]:
         if self.model is None:
             raise RuntimeError("generate() on a closed HFEngine")
+        if self._sleeping_buffers is not None:
+            raise RuntimeError("generate() on a sleeping HFEngine; load_checkpoint() wakes it with its weights")
         check_generate_args(prompt_token_ids, seeds)
         for p, prompt in enumerate(prompt_token_ids):
             if len(prompt) >= self.max_model_len:
@@ -120,16 +124,37 @@ class HFEngine:
         out = iter(records)
         return [[next(out) for _ in ps] for ps in seeds]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new policy weights (HF state_dict names) into the model in place."""
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Copy a checkpoint's weights (HF names, every parameter but tied ones) into the model in place; a sleeping
+        engine gets its memory back first."""
         if self.model is None:
-            raise RuntimeError("update_weights() on a closed HFEngine")
-        state = dict(named_tensors)
-        unexpected = self.model.load_state_dict(state, strict=False).unexpected_keys
-        if unexpected:
+            raise RuntimeError("load_checkpoint() on a closed HFEngine")
+        state = dict(checkpoint_tensors(checkpoint_dir))
+        expected = set(self.model.state_dict())
+        tied = {LM_HEAD} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        unexpected, missing = sorted(set(state) - expected), sorted(expected - tied - set(state))
+        if unexpected or missing:  # checked before anything is copied: a refused checkpoint leaves the engine as it was
             raise ValueError(
-                f"weights {unexpected[:5]} do not belong to {self.model_path}; push the policy's own state_dict"
+                f"checkpoint {checkpoint_dir} does not fit {self.model_path}: unexpected weights {unexpected[:5]}, "
+                f"missing weights {missing[:5]}; load the policy's own checkpoint"
             )
+        if self._sleeping_buffers is not None:
+            self.model.to_empty(device=self.device)
+            for name, buffer in self.model.named_buffers():  # non-persistent ones (rotary inv_freq) are in no file
+                buffer.copy_(self._sleeping_buffers[name])
+            self.model.tie_weights()
+            self._sleeping_buffers = None
+        self.model.load_state_dict(state, strict=False)
+
+    def sleep(self) -> None:
+        """Drops the parameters (to the meta device), keeping only the buffers no checkpoint holds."""
+        if self.model is None:
+            raise RuntimeError("sleep() on a closed HFEngine")
+        if self._sleeping_buffers is None:
+            self._sleeping_buffers = {name: b.detach().to("cpu", copy=True) for name, b in self.model.named_buffers()}
+            self.model.to("meta")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def close(self) -> None:
         self.model = None

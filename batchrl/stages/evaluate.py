@@ -216,8 +216,7 @@ def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifes
         ]
         for row in pool.run(jobs, settings, timeout_s=cfg.generate.shard_timeout_s, progress_bars=False):
             parts.append(part_info(row))
-    if cfg.generate.engine_lifetime == "stage":
-        pool.shutdown()
+    pool.end_stage(cfg.generate.engine_lifetime)
     return _manifest(sorted(parts, key=lambda p: p.name), schema="rollouts")
 
 

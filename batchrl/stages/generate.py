@@ -15,11 +15,9 @@ from (run seed, iteration, prompt_id, sample_idx), so a regenerated shard equals
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,6 +89,7 @@ class GenerateWorker(ShardWorker):
         self.unreported_build_s = time.perf_counter() - started  # reported with the first shard
         logger.info("%s engine ready in %.1f s", self.engine.name, self.unreported_build_s)
         self.settings: ShardSettings | None = None
+        self.asleep = False
 
     def generate_shard(self, job: dict[str, str], settings: ShardSettings) -> dict[str, Any]:
         """Generates one shard with ``settings.policy``; returns the part's metadata and this call's timings."""
@@ -102,21 +101,22 @@ class GenerateWorker(ShardWorker):
         return {key: values[0] for key, values in result.items()} | {"timings_json": json.dumps(timings)}
 
     def load_policy(self, policy: str) -> float:
-        """Pushes a new checkpoint's weights into the live engine, in place; returns the seconds it took."""
-        if policy == self.policy:
+        """Pushes a new checkpoint's weights into the live engine, in place (a sleeping engine wakes with them, even
+        for the policy it had); returns the seconds it took."""
+        if policy == self.policy and not self.asleep:
             return 0.0
-        from safetensors.torch import load_file
-
         started = time.perf_counter()
-        files = sorted(glob.glob(os.path.join(local_copy(policy), "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in policy {policy}")
-        for path in files:
-            self.engine.update_weights(load_file(path).items())
-        self.policy = policy
+        self.engine.load_checkpoint(local_copy(policy))
+        self.policy, self.asleep = policy, False
         elapsed = time.perf_counter() - started
         logger.info("pushed %s into the live engine in %.3f s", policy, elapsed)
         return elapsed
+
+    def sleep(self) -> None:
+        """Frees the engine's device memory until the next shard (generate.engine_lifetime: sleep)."""
+        if not self.asleep:
+            self.engine.sleep()
+            self.asleep = True
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         from batchrl.engines import SamplingSpec
@@ -218,6 +218,18 @@ class EnginePool:
                 yield row
                 bar.advance()
 
+    def end_stage(self, engine_lifetime: str) -> None:
+        """What a stage that used the engines leaves of them (generate.engine_lifetime): stage shuts them down, sleep
+        frees their device memory until the next shard, run keeps them as they are."""
+        import ray
+
+        if engine_lifetime == "stage":
+            self.shutdown()
+        elif engine_lifetime == "sleep":
+            started = time.perf_counter()
+            ray.get([actor.sleep.remote() for actor in self.actors])
+            logger.info("%d engine(s) asleep in %.2f s", len(self.actors), time.perf_counter() - started)
+
     def shutdown(self) -> None:
         import ray
 
@@ -267,6 +279,7 @@ class GenerateStage(Stage):
             "gpu_memory_utilization",
             "enforce_eager",
             "shard_timeout_s",
+            "engine_lifetime",
         }
         return {
             "generate": cfg.generate.model_dump(exclude=placement, exclude_defaults=True),
@@ -337,8 +350,7 @@ class GenerateStage(Stage):
                     deadlines.timeouts,
                 )
                 counts["shard_timeouts"] = counts.get("shard_timeouts", 0) + deadlines.timeouts
-            if g.engine_lifetime == "stage":
-                pool.shutdown()
+            pool.end_stage(g.engine_lifetime)
         return StageOutput(
             parts=[parts[job["name"]] for job in all_jobs],
             counts={k: int(v) for k, v in counts.items() if not k.endswith("_s")},
@@ -396,6 +408,8 @@ def engine_spec(cfg: PipelineConfig) -> EngineSpec:
     }
     if g.engine != "hf" and g.gpus_per_actor > 0:
         engine_kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
+        if g.engine_lifetime == "sleep":
+            engine_kwargs["enable_sleep_mode"] = True
     if g.engine == "hf":
         engine_kwargs = {}
     return EngineSpec(

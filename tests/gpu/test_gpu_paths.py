@@ -75,3 +75,28 @@ def test_vllm_generates_on_cuda(toy_model_dir):
     engine.close()
     assert [s.token_ids for s in groups[0]] == [s.token_ids for s in again[0]]
     assert all(len(s.token_ids) == len(s.logprobs) > 0 for s in groups[0])
+
+
+def test_a_sleeping_vllm_engine_frees_gpu_memory_and_wakes_with_the_pushed_weights(toy_model_dir, tmp_path):
+    from batchrl.engines import SamplingSpec, make_engine, vllm_available
+    from batchrl_toy import build_toy_model
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed")
+    build_toy_model(tmp_path / "other", seed=1)
+    greedy, prompts = SamplingSpec(temperature=0, max_new_tokens=8), [[1, 5, 6, 7]]
+    reference = make_engine("hf", model_path=str(tmp_path / "other"), dtype="float32")
+    expected = reference.generate(prompts, seeds=[[0]], sampling=greedy)[0][0].token_ids
+    reference.close()
+    engine = make_engine(
+        "vllm",
+        model_path=toy_model_dir,
+        dtype="float32",
+        engine_kwargs={"gpu_memory_utilization": 0.3, "enable_sleep_mode": True},
+    )
+    free_before = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert torch.cuda.mem_get_info()[0] > free_before  # the KV cache alone is 30% of the GPU
+    engine.load_checkpoint(str(tmp_path / "other"))
+    assert engine.generate(prompts, seeds=[[0]], sampling=greedy)[0][0].token_ids == expected
+    engine.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import batchrl.engines as engines
 from batchrl.engines import Engine, SampleRecord, SamplingSpec, make_engine, vllm_available
@@ -210,7 +209,7 @@ def test_pushed_weights_generate_like_an_engine_built_from_them(engine, prompts,
     greedy = SamplingSpec(temperature=0, max_new_tokens=16)
     seeds = [[1, 2], [3]]
     try:
-        engine.update_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "other").state_dict().items())
+        engine.load_checkpoint(str(tmp_path / "other"))
         expected = reference.generate(prompts, seeds=seeds, sampling=greedy)
         assert _token_ids(engine.generate(prompts, seeds=seeds, sampling=greedy)) == _token_ids(expected)
         sampled = engine.generate(prompts, seeds=seeds, sampling=SamplingSpec(max_new_tokens=16))
@@ -219,7 +218,33 @@ def test_pushed_weights_generate_like_an_engine_built_from_them(engine, prompts,
                 reference_logprobs = _score_with_hf(reference, prompt, record.token_ids)
                 np.testing.assert_allclose(record.logprobs, reference_logprobs, atol=CROSS_ENGINE_LOGPROB_TOL)
     finally:
-        engine.update_weights(AutoModelForCausalLM.from_pretrained(toy_model_dir).state_dict().items())
+        engine.load_checkpoint(toy_model_dir)
+
+
+def test_a_sleeping_engine_holds_no_weights_and_wakes_with_a_checkpoint(hf_engine, prompts, toy_model_dir):
+    sampling = SamplingSpec(max_new_tokens=12)
+    seeds = [[4, 5], [6]]
+    before = hf_engine.generate(prompts, seeds=seeds, sampling=sampling)
+    hf_engine.sleep()
+    assert {p.device.type for p in hf_engine.model.parameters()} == {"meta"}
+    with pytest.raises(RuntimeError, match="sleeping HFEngine; load_checkpoint"):
+        hf_engine.generate(prompts, seeds=seeds, sampling=sampling)
+    hf_engine.load_checkpoint(toy_model_dir)
+    assert hf_engine.model.lm_head.weight is hf_engine.model.model.embed_tokens.weight  # still tied
+    assert hf_engine.generate(prompts, seeds=seeds, sampling=sampling) == before
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(hf_engine, tmp_path):
+    build_toy_model(tmp_path / "small", num_layers=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        hf_engine.load_checkpoint(str(tmp_path / "small"))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_vllm_sleep_needs_sleep_mode_enabled_at_build(vllm_engine):
+    with pytest.raises(RuntimeError, match="enable_sleep_mode"):
+        vllm_engine.sleep()
 
 
 def test_explicit_vllm_without_vllm_installed_says_how_to_fix_it(monkeypatch, toy_model_dir):

@@ -167,3 +167,23 @@ def test_a_live_pool_with_at_least_the_engines_asked_for_is_reused_and_a_smaller
     bigger = EnginePool.get(spec, num_actors=3, **placement)
     assert bigger is not pool and len(bigger.actors) == 3 and pool.actors == []  # the old one was shut down
     bigger.shutdown()
+
+
+def test_sleeping_engines_wake_with_the_shards_policy_and_generate_as_awake_ones(
+    ray_session, tmp_path, toy_model_dir, toy_prompts_dir, second_policy
+):
+    awake_cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, "hf")
+    sleep_cfg = validate_dict(
+        awake_cfg.model_dump() | {"generate": awake_cfg.generate.model_dump() | {"engine_lifetime": "sleep"}}
+    )
+    prompts = ingest(awake_cfg)
+    _, awake_rows = generate(awake_cfg, prompts, policy=second_policy, out_name="awake", iteration=1)
+
+    first, first_rows = generate(sleep_cfg, prompts, policy=toy_model_dir, out_name="first")
+    pool = EnginePool._current  # asleep now: its engines hold no weights
+    again, again_rows = generate(sleep_cfg, prompts, policy=toy_model_dir, out_name="again")
+    assert EnginePool._current is pool and again.stats["perf/engine_build_s"] == 0.0
+    assert again.stats["perf/weight_push_s"] > 0.0  # the same policy, reloaded: sleep dropped the weights
+    assert again_rows == first_rows
+    _, pushed_rows = generate(sleep_cfg, prompts, policy=second_policy, out_name="pushed", iteration=1)
+    assert pushed_rows == awake_rows

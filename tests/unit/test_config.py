@@ -185,3 +185,15 @@ def test_run_with_a_config_error_exits_2_and_writes_nothing(tmp_path):
     assert result.returncode == 2
     assert "unknown field 'bogus'" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_sleeping_vllm_engines_need_gpus_and_get_sleep_mode_when_they_have_them(tmp_path):
+    from batchrl.stages.generate import engine_spec
+
+    raw = dict(MINIMAL, generate={"engine": "vllm", "engine_lifetime": "sleep"})
+    with pytest.raises(ConfigError, match=r"generate\.engine_lifetime=sleep needs GPUs for vLLM"):
+        load_pipeline(write(tmp_path, raw))
+    on_gpus = load_pipeline(write(tmp_path, dict(raw, generate=raw["generate"] | {"gpus_per_actor": 1})))
+    assert dict(engine_spec(on_gpus).engine_kwargs)["enable_sleep_mode"] is True
+    hf = load_pipeline(write(tmp_path, dict(raw, generate={"engine": "hf", "engine_lifetime": "sleep"})))
+    assert hf.generate.engine_lifetime == "sleep"
