@@ -10,7 +10,8 @@ Steps (`--steps`, in this order):
 - install: `pip install '.[gpu]'` into a fresh venv (with a GPU), else pip's resolver only (`--dry-run`): the
   versions `[gpu]` resolves to today, checked against the floors in pyproject.toml.
 - generate: a vLLM engine (bfloat16 with CUDA graphs on a GPU; float32 on CPU) generates seeded samples twice; the
-  two must be identical.
+  two must be identical. Also the tokens/s of the same prompts unseeded, n samples per request: what a seed per
+  sample (batchrl's reproducible sampling) costs.
 - push: after `load_checkpoint` of other weights, the engine's log-probs must match a transformers forward of the
   NEW weights, not the old. On a GPU also: sleep (level 2), the device memory that freed, and wake + push vs a
   rebuild. `--layout` runs the engine core in this process, in another (multiprocess), or tensor-parallel.
@@ -162,17 +163,34 @@ def step_generate(smoke: Smoke) -> str:
     seeds = [[1000 * p + s for s in range(4)] for p in range(len(prompts))]
     sampling = SamplingSpec(max_new_tokens=128)
     try:
+        first = engine.generate(prompts, seeds=seeds, sampling=sampling)  # the first call warms the engine up
         started = time.perf_counter()
-        first = engine.generate(prompts, seeds=seeds, sampling=sampling)
-        gen_s = time.perf_counter() - started
         again = engine.generate(prompts, seeds=seeds, sampling=sampling)
+        seeded_s = time.perf_counter() - started
+        unseeded_rate = _unseeded_rate(engine, prompts, samples=4, max_new_tokens=128)
     finally:
         engine.close()
-    tokens = sum(len(r.token_ids) for group in first for r in group)
     if [[r.token_ids for r in g] for g in first] != [[r.token_ids for r in g] for g in again]:
         raise AssertionError("the same seeds gave different samples")
+    tokens = sum(len(r.token_ids) for group in again for r in group)
     smoke.results["engine_build_s"] = build_s
-    return f"engine built in {build_s:.1f} s; {tokens / gen_s:.0f} tokens/s generated ({tokens} tokens); repeats"
+    return (
+        f"engine built in {build_s:.1f} s; repeats; {tokens / seeded_s:.0f} tokens/s generated with a seed per sample, "
+        f"{unseeded_rate:.0f} without seeds (n=4 per request)"
+    )
+
+
+def _unseeded_rate(engine: Any, prompts: list[list[int]], *, samples: int, max_new_tokens: int) -> float:
+    """Tokens/s of the same prompts as one request each with n samples and no seed, the way vLLM samples fastest
+    (a seeded request draws from its own generator): what batchrl's reproducible sampling costs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(n=samples, max_tokens=max_new_tokens, temperature=1.0)
+    started = time.perf_counter()
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    return sum(len(c.token_ids) for output in outputs for c in output.outputs) / elapsed
 
 
 def step_push(smoke: Smoke) -> str:
