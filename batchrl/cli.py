@@ -215,18 +215,13 @@ def _run(
 ) -> None:
     cfg = _load(pipeline, overrides, run_id)
     _setup_logging(verbose)
-    from batchrl.api import Runner
+    from batchrl.api import Pipeline
     from batchrl.errors import DataError
     from batchrl.pipeline.lock import RunLockedError
-    from batchrl.setup_steps import run_setup_steps
     from batchrl.storage import StorageError, is_transient_storage_error
 
     try:
-        runner = Runner(cfg, from_stage=from_stage, from_iteration=iteration, verify_checksums=verify)  # plans only
-        # The pipeline's setup: steps (the quickstart's toy model) make what the run reads: after the plan's checks
-        # (which read the config alone), before the runner checks its inputs.
-        run_setup_steps(cfg.setup)
-        summary = runner.run()
+        summary = Pipeline(cfg).run(from_stage=from_stage, iteration=iteration, verify=verify).summary
     except Exception as err:
         transient = _find_cause(err, is_transient_storage_error)
         if transient is not None:
@@ -456,6 +451,18 @@ def report(
     typer.echo(f"report: {page}")
 
 
+def _user_code_importable_from_cwd() -> None:
+    """User code named as 'package.module:function' (rewards, stages, setup steps) imports from the directory the
+    command runs in, as with `python -m`: in this process, and (through PYTHONPATH) in the Ray workers and child
+    processes it starts, which would otherwise see only installed packages."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, *paths]))
+
+
 def main() -> None:
     """Runs the command, then leaves without interpreter finalisation.
 
@@ -464,6 +471,7 @@ def main() -> None:
     pool is torn down during finalisation. Every output is written and flushed by then, so the exit code is
     the command's. Seen with `batchrl inspect`; the trainer ranks exit the same way for a similar gloo issue.
     """
+    _user_code_importable_from_cwd()
     try:
         result = app(standalone_mode=False)  # a command's typer.Exit(code) comes back as its return value
         code = result if isinstance(result, int) else 0

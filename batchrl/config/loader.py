@@ -24,7 +24,7 @@ def load_pipeline(path: str | os.PathLike, *, overrides: list[str] = (), run_id:
     path = Path(path)
     raw = _read_yaml(path)
     for override in overrides:
-        _apply_override(raw, override)
+        apply_override(raw, override)
     profile_names = raw.get("profiles") or []
     if not isinstance(profile_names, list):
         raise ConfigError("profiles: must be a list of conf/ profile names, e.g. [engine/vllm_cpu]")
@@ -141,7 +141,7 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return f" line {problem.line + 1}: not valid YAML ({what})" if problem else f": not valid YAML ({what})"
 
 
-def _apply_override(raw: dict[str, Any], override: str) -> None:
+def apply_override(raw: dict[str, Any], override: str) -> None:
     key, sep, value_text = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {override!r}: expected KEY=VALUE, e.g. --set generate.temperature=0.7")

@@ -634,6 +634,63 @@ class TrackingConfig(_Strict):
         return self
 
 
+RESERVED_STAGE_NAMES = frozenset(
+    {"ingest", "generate", "score", "advantage", "update", "evaluate"}
+    | {"prompts", "prompt_rejects", "rollouts", "scores", "advantages", "evaluations", "policy"}
+)
+
+
+class UserStageConfig(_Strict):
+    """One user-defined stage: a function over one shard's table, inserted after a built-in stage."""
+
+    name: str = Field(
+        ...,
+        pattern=r"^[a-z][a-z0-9_]*$",
+        description="Stage name (lower case, digits, _): in the plan, `--from-stage`, metrics (stage/<name>/...) and "
+        "its table's directory, <iteration>/<name>/.",
+    )
+    after: Literal["generate", "score", "advantage"] = Field(
+        ...,
+        description="The built-in stage it follows: it reads that stage's table (rollouts, scores, advantages) and "
+        "the next stage reads its table instead. Stages with the same `after` run in the order listed, each "
+        "reading the one before.",
+    )
+    call: str = Field(
+        ...,
+        description="'package.module:function', called once per shard as function(table, **params) with the "
+        "shard's pyarrow.Table and returning a table; or 'package.module:Class', built once per actor as "
+        "Class(**params) (load models there) and called as instance(table). The module must be importable where "
+        "the stage's actors run. Its source file is part of the stage's fingerprint: editing it re-runs the "
+        "stage and everything after it.",
+    )
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the call (see call).")
+    outputs: list[str] = Field(
+        ...,
+        min_length=1,
+        description="The columns it adds or changes. Every other column must come out as it went in, with as "
+        "many rows in the same order; a shard that breaks this fails the run (exit 3) naming the stage and "
+        "the column.",
+    )
+    num_actors: int = Field(1, ge=1, description="Actors its shards are spread over (each builds Class once).")
+    cpus_per_actor: float = Field(1.0, gt=0, description="CPUs each actor reserves.")
+    gpus_per_actor: float = Field(0.0, ge=0, description="GPUs each actor reserves (a reward or cost model).")
+
+    @field_validator("call")
+    @classmethod
+    def _check_call(cls, call: str) -> str:
+        if not is_reference(call):
+            raise ValueError(f"{call!r} is not a 'package.module:function' (or 'package.module:Class') reference")
+        return call
+
+    @field_validator("outputs")
+    @classmethod
+    def _check_outputs(cls, outputs: list[str]) -> list[str]:
+        repeated = sorted({c for c in outputs if outputs.count(c) > 1})
+        if repeated or any(not c for c in outputs):
+            raise ValueError(f"outputs must be distinct non-empty column names (repeated: {repeated})")
+        return outputs
+
+
 class PipelineConfig(_Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Pipeline name (default run id).")
     profiles: list[str] = Field(
@@ -648,6 +705,12 @@ class PipelineConfig(_Strict):
         "setup.<name>.arguments.<key>=value reaches it.",
     )
     run: RunConfig = Field(default_factory=RunConfig, description="Run directory, seed and iterations.")
+    stages: list[UserStageConfig] = Field(
+        default_factory=list,
+        description="User-defined stages, each a function over one shard's table inserted after generate, score "
+        "or advantage: materialised as its own table with a manifest, sharded over Ray actors, resumed per shard, "
+        "fingerprinted like a built-in stage (see docs/ARCHITECTURE.md, the stage contract).",
+    )
     model: ModelConfig = Field(..., description="Initial policy and tokenizer.")
     data: DataConfig = Field(..., description="Prompt data.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Rollout generation.")
@@ -689,6 +752,15 @@ class PipelineConfig(_Strict):
             )
         if self.generate.top_k == 0 or self.generate.top_k < -1:
             raise ValueError(f"generate.top_k={self.generate.top_k} must be -1 (disabled) or >= 1")
+        names = [stage.name for stage in self.stages]
+        for index, name in enumerate(names):
+            if name in RESERVED_STAGE_NAMES:
+                raise ValueError(
+                    f"stages[{index}].name={name!r} is a built-in stage or table name; pick another "
+                    f"(reserved: {sorted(RESERVED_STAGE_NAMES)})"
+                )
+            if name in names[:index]:
+                raise ValueError(f"stages[{index}].name={name!r} is used twice; each user stage needs its own name")
         return self
 
     @property

@@ -54,7 +54,9 @@ from batchrl.pipeline.stage import (
     consumers,
     is_sharded,
     producer,
+    source_table,
     stage_order,
+    sync_stages,
     table_iteration,
 )
 from batchrl.storage import RunLayout, join, resolve, write_bytes_atomic
@@ -140,6 +142,7 @@ def build_plan(
     if count_iterations and cfg.run.epochs is not None:
         cfg = counted_iterations(cfg, lineage=lineage, check_storage=check_storage, known=known)
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
+    sync_stages(cfg)
     stages = {name: STAGES[name]() for name in stage_order()}
     where = {name: set(stage.planned_iterations(cfg)) for name, stage in stages.items()}
     table_dirs: dict[str, str] = {}
@@ -153,7 +156,7 @@ def build_plan(
             policy_in, policy_in_fp = policy_dir, policy_fp
             if stage.reads_new_policy and iteration is not None:
                 policy_in, policy_in_fp = table_dirs[POLICY], table_fps[POLICY]
-            upstream = [policy_in_fp if t == POLICY else table_fps[t] for t in stage.inputs]
+            upstream = [policy_in_fp if t == POLICY else table_fps[source_table(t, name)] for t in stage.inputs]
             config = dict(stage.fingerprint_config(cfg), iteration=iteration)
             if stage.reads_train_files and lineage.skips_seen_files(cfg):
                 config["skip_seen_files"] = seen_fingerprint(lineage)
@@ -162,7 +165,7 @@ def build_plan(
                 iteration=iteration,
                 output_dir=layout.table_dir(stage.table, iteration),
                 fingerprint=fingerprint(config, *upstream),
-                input_dirs={t: table_dirs[t] for t in stage.inputs if t != POLICY},
+                input_dirs={t: table_dirs[source_table(t, name)] for t in stage.inputs if t != POLICY},
                 policy_in=policy_in,
                 sharded=is_sharded(stage),
             )
@@ -280,6 +283,7 @@ def current_input_digest(
 
 def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int | None) -> None:
     """--from-stage / --iteration name a stage of this run (ConfigError otherwise)."""
+    sync_stages(cfg)
     names = stage_order()
     if from_stage not in names:
         raise ConfigError(f"--from-stage {from_stage!r} is not a stage; use one of {names}")
@@ -360,6 +364,7 @@ class Runner:
         verify_checksums: bool = False,
     ):
         self.configured = cfg  # as written (run.yaml): with run.epochs, self.cfg has the counted iterations
+        sync_stages(cfg)  # the registry holds this config's user stages
         self.layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
         check_s3_credentials(cfg)  # before resolve_lineage's first object-store request
         if from_stage is not None:
@@ -496,8 +501,9 @@ class Runner:
     def _input_manifests(self, stage: Stage, iteration: int | None) -> dict[str, Manifest]:
         """The committed manifests of the tables ``stage`` reads at ``iteration``, by table name."""
         return {
-            table: self.plan[(producer(table), table_iteration(table, iteration))].manifest
+            table: self.plan[(producer(source), table_iteration(source, iteration))].manifest
             for table in stage.inputs
+            for source in [source_table(table, stage.name)]
             if table != POLICY
         }
 

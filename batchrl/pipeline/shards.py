@@ -80,25 +80,46 @@ class ShardWorker:
         """Releases what the worker holds (child processes); called when it ran in the driver."""
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
-        results: dict[str, list] = {"name": [], "rows": [], "sha256": [], "num_bytes": [], "counts_json": []}
+        """One result row per job; a job whose data cannot be processed (DataError) gets a row holding the error,
+        which the driver raises (`FinishedShards.add`): an exception would reach it wrapped by Ray Data, its type
+        lost."""
+        results: dict[str, list] = {
+            "name": [],
+            "rows": [],
+            "sha256": [],
+            "num_bytes": [],
+            "counts_json": [],
+            "error": [],
+        }
         expected = batch.get("input_sha256", [None] * len(batch["name"]))
         starts = batch.get("row_start", [None] * len(batch["name"]))
         stops = batch.get("row_stop", [None] * len(batch["name"]))
         for input_uri, output_uri, name, sha256, start, stop in zip(
             batch["input_uri"], batch["output_uri"], batch["name"], expected, starts, stops
         ):
-            table = read_verified_parquet(str(input_uri), sha256=sha256)
-            if start is not None:  # a slice of the input part (generate's per-iteration prompt batch)
-                table = table.slice(int(start), int(stop) - int(start))
-            table, counts = self.process(table)
-            table = conform(table, self.schema)
-            num_bytes, digest = write_parquet_atomic(table, str(output_uri), row_group_rows=self.row_group_rows)
+            try:
+                rows, digest, num_bytes, counts = self._one(str(input_uri), str(output_uri), sha256, start, stop)
+                error = ""
+            except DataError as data_error:
+                rows, digest, num_bytes, counts, error = 0, "", 0, {}, f"{data_error} (part {name})"
             results["name"].append(str(name))
-            results["rows"].append(table.num_rows)
+            results["rows"].append(rows)
             results["sha256"].append(digest)
             results["num_bytes"].append(num_bytes)
             results["counts_json"].append(json.dumps(counts))
+            results["error"].append(error)
         return results
+
+    def _one(
+        self, input_uri: str, output_uri: str, sha256: str | None, start: Any, stop: Any
+    ) -> tuple[int, str, int, dict[str, float]]:
+        table = read_verified_parquet(input_uri, sha256=sha256)
+        if start is not None:  # a slice of the input part (generate's per-iteration prompt batch)
+            table = table.slice(int(start), int(stop) - int(start))
+        table, counts = self.process(table)
+        table = conform(table, self.schema) if self.schema else table  # a user stage conforms its own
+        num_bytes, digest = write_parquet_atomic(table, output_uri, row_group_rows=self.row_group_rows)
+        return table.num_rows, digest, num_bytes, counts
 
 
 def read_verified_parquet(uri: str, *, sha256: str | None) -> pa.Table:
@@ -303,7 +324,9 @@ def process_in_driver(
 
 
 def part_info(row: dict[str, Any]) -> PartInfo:
-    """The PartInfo of a worker's result row."""
+    """The PartInfo of a worker's result row; the DataError of a row that reports one (see ShardWorker.__call__)."""
+    if row.get("error"):
+        raise DataError(row["error"])
     return PartInfo(name=str(row["name"]), rows=int(row["rows"]), sha256=row["sha256"], num_bytes=int(row["num_bytes"]))
 
 

@@ -15,6 +15,7 @@ reads, so it does not depend on the order modules happen to be imported in (an i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -80,6 +81,9 @@ class Stage:
     timing_name: ClassVar[str | None] = None  # its duration in the iteration metrics: timing_s/<timing_name>
     in_step_time: ClassVar[bool] = True  # its duration counts in timing_s/step (a training step's time)
     summary_key: ClassVar[str | None] = None  # its stats are listed in RunSummary.reports[summary_key]
+    # A stage inserted after another (a user stage): the stages that read this table read the last such stage's
+    # table instead (see `source_table`); the inserted stages themselves read it as it is, in a chain.
+    takes_over: ClassVar[str | None] = None
 
     def planned_iterations(self, cfg: PipelineConfig) -> list[int | None]:
         """Where the stage runs: None = once, before iteration 0; by default once or every iteration."""
@@ -129,6 +133,9 @@ class Stage:
 
 
 STAGES: dict[str, type[Stage]] = {}
+# Functions that make a run's config-defined stages (user stages): `sync_stages(cfg)` registers what they return
+STAGE_PROVIDERS: list[Callable[[PipelineConfig], list[type[Stage]]]] = []
+_PROVIDED: list[str] = []  # names of the stages the providers registered for the config synced last
 
 
 def register(cls: type[Stage]) -> type[Stage]:
@@ -140,6 +147,18 @@ def register(cls: type[Stage]) -> type[Stage]:
         raise AssertionError(f"stages {writer!r} and {cls.name!r} both write the table {cls.table!r}")
     STAGES[cls.name] = cls
     return cls
+
+
+def sync_stages(cfg: PipelineConfig) -> None:
+    """Makes the registry hold the built-in stages plus the stages ``cfg`` defines (its user stages), and no
+    others a previous config defined. Planning, checking and running a config call it first."""
+    for name in _PROVIDED:
+        unregister(name)
+    _PROVIDED.clear()
+    for provide in STAGE_PROVIDERS:
+        for cls in provide(cfg):
+            register(cls)
+            _PROVIDED.append(cls.name)
 
 
 def unregister(name: str) -> None:
@@ -165,9 +184,19 @@ def stage_order() -> list[str]:
     return order
 
 
+def source_table(table: str, reader: str) -> str:
+    """The table the stage ``reader`` reads when it names ``table``: the last stage inserted after ``table``'s writer
+    (``takes_over``), so that advantage reads a user stage placed after score; ``table`` itself for the inserted
+    stages and when none is."""
+    inserted = [cls for cls in STAGES.values() if cls.takes_over == table]
+    if not inserted or any(cls.name == reader for cls in inserted):
+        return table
+    return inserted[-1].table
+
+
 def _writers_read_by(cls: type[Stage], writers: dict[str, str]) -> set[str]:
     """The stages whose output ``cls`` reads within an iteration (the policy it starts from is the last one's)."""
-    tables = [t for t in cls.inputs if t != POLICY] + ([POLICY] if cls.reads_new_policy else [])
+    tables = [source_table(t, cls.name) for t in cls.inputs if t != POLICY] + ([POLICY] if cls.reads_new_policy else [])
     missing = [t for t in tables if t not in writers]
     if missing:
         raise AssertionError(f"stage {cls.name!r} reads {missing}, which no registered stage writes")
@@ -181,7 +210,7 @@ def producer(table: str) -> str:
 
 def consumers(table: str) -> list[str]:
     """Names of the registered stages that read ``table``."""
-    return [name for name, cls in STAGES.items() if table in cls.inputs]
+    return [name for name, cls in STAGES.items() if any(source_table(t, name) == table for t in cls.inputs)]
 
 
 def table_iteration(table: str, iteration: int | None) -> int | None:

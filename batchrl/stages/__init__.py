@@ -5,4 +5,4 @@ reads: ingest once; then, every iteration, generate (prompts), score (rollouts),
 (advantages), evaluate (the policy that update wrote).
 """
 
-from batchrl.stages import advantage, evaluate, generate, ingest, score, update  # noqa: F401  (registers them)
+from batchrl.stages import advantage, evaluate, generate, ingest, score, update, user  # noqa: F401  (registers them)

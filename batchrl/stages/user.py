@@ -1,0 +1,276 @@
+"""User-defined stages (the pipeline's ``stages:`` list): a function over one shard's table, inserted after a built-in.
+
+Why a stage and not a callback inside score or advantage: a user stage gets everything a built-in stage has, with
+no code of ours to change. Its table is materialised with a manifest (`batchrl inspect` shows it), its shards run
+over a Ray Data actor pool and resume one by one after a crash, `plan` and `status` list it, `--from-stage` names
+it, and its fingerprint (its config and its module's source) is chained into every stage after it, so editing the
+function re-runs it and what follows without `--from-stage`.
+
+The contract a user function programs against (docs/ARCHITECTURE.md, "User stages"):
+- it receives one shard of the table of the stage it follows (rollouts, scores or advantages: one row per prompt
+  group before advantage, one per sample after it) as a ``pyarrow.Table``, and returns a table;
+- it may add columns and change columns, all of them declared in ``outputs``; every other column must come out
+  equal, with the same rows in the same order (the next stages rely on the group structure and the row order);
+- the columns of the input table keep their types (a returned column is cast back, and one that cannot be is
+  an error); added columns are written as returned, and the stages after it ignore them.
+A shard that breaks the contract, or a function that raises, fails the run with a DataError (exit 3) naming the
+stage, the column and the part.
+
+Each entry of ``stages:`` becomes a Stage class made here when a config is synced into the registry
+(`batchrl.pipeline.stage.sync_stages`); the class reads the table of the stage before it and takes over that
+table for the stages after it (`Stage.takes_over`), so advantage reads a stage inserted after score.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from batchrl.config import ConfigError, PipelineConfig
+from batchrl.config.models import UserStageConfig
+from batchrl.errors import DataError
+from batchrl.pipeline.shards import ShardWorker, run_sharded
+from batchrl.pipeline.stage import STAGE_PROVIDERS, ActorNeed, Stage, StageContext, StageOutput
+from batchrl.references import import_reference, source_digest
+from batchrl.storage.manifest import Manifest
+from batchrl.storage.schemas import load_schema
+
+logger = logging.getLogger(__name__)
+
+# Functions given as objects (the Python API's insert_after), by the reference their stage's config names them with
+FUNCTIONS: dict[str, Callable[..., Any]] = {}
+
+# The table each insertion point follows, and its schema (data_schemas/<schema>.json)
+AFTER = {"generate": "rollouts", "score": "scores", "advantage": "advantages"}
+
+
+def register_function(function: Callable[..., Any]) -> str:
+    """The reference a stage's config names a function object by ("module:qualname"), remembered for this process:
+    its actors get the object itself (cloudpickle), so a function defined in a script or a notebook works."""
+    qualname = getattr(function, "__qualname__", "")
+    if not callable(function) or not qualname.isidentifier() and not all(p.isidentifier() for p in qualname.split(".")):
+        raise ConfigError(f"{function!r} is not a named function or class (a lambda or a local one has no name to use)")
+    reference = f"{function.__module__}:{qualname}"
+    FUNCTIONS[reference] = function
+    return reference
+
+
+def code_digest(reference: str) -> str:
+    """What a stage's fingerprint holds of its code: the source of a registered function object, else the source
+    file of the module the reference names (`source_digest`)."""
+    import hashlib
+    import inspect
+
+    function = FUNCTIONS.get(reference)
+    if function is None:
+        return source_digest(reference)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):  # no source file (defined interactively): its compiled code
+        code = getattr(function, "__code__", None)
+        source = repr((code.co_code, code.co_consts)) if code is not None else repr(function)
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+class UserStage(Stage):
+    """Base of the classes made from ``stages:`` entries; ``index`` is the entry's position in cfg.stages."""
+
+    index: int
+    per_iteration = True
+
+    def entry(self, cfg: PipelineConfig) -> UserStageConfig:
+        return cfg.stages[self.index]
+
+    def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
+        entry = self.entry(cfg)
+        return entry.model_dump(include={"after", "call", "params", "outputs"}) | {"code": code_digest(entry.call)}
+
+    def check_inputs(self, cfg: PipelineConfig) -> None:
+        """Before anything is written: the call resolves to a function or a class."""
+        entry = self.entry(cfg)
+        where = f"stages[{self.index}].call"
+        if entry.call in FUNCTIONS:
+            return
+        try:
+            target = import_reference(entry.call, what=where)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if not callable(target):
+            raise ConfigError(f"{where}={entry.call!r} is a {type(target).__name__}, not a function or a class")
+
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        entry, field = self.entry(cfg), f"stages[{self.index}]"
+        return [
+            ActorNeed(
+                cpus=entry.cpus_per_actor,
+                gpus=entry.gpus_per_actor,
+                cpus_field=f"{field}.cpus_per_actor",
+                gpus_field=f"{field}.gpus_per_actor",
+            )
+        ]
+
+    def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
+        return {f"stage/{self.name}/{key}": value for key, value in manifest.stats.items()}
+
+    def run(self, ctx: StageContext) -> StageOutput:
+        entry = self.entry(ctx.cfg)
+        table = self.inputs[0]
+        parts, counts = run_sharded(
+            input_dir=ctx.input_dirs[table],
+            input_manifest=ctx.inputs[table],
+            output_dir=ctx.output_dir,
+            worker_cls=UserStageWorker,
+            worker_kwargs={
+                "stage": self.name,
+                "call": entry.call,
+                "function": FUNCTIONS.get(entry.call),
+                "params": dict(entry.params),
+                "outputs": list(entry.outputs),
+                "schema": self.schema,
+            },
+            concurrency=entry.num_actors,
+            num_cpus=entry.cpus_per_actor,
+            num_gpus=entry.gpus_per_actor,
+            description=self.name,
+            progress_bars=ctx.cfg.tracking.progress_bars,
+            embedded_ray=ctx.embedded_ray,
+        )
+        seconds = counts.pop("call_s", 0.0)
+        return StageOutput(
+            parts=parts,
+            counts={key: int(value) for key, value in counts.items()},
+            stats={"call_s": round(seconds, 3), "rows": int(counts.get("rows", 0))},
+        )
+
+
+class UserStageWorker(ShardWorker):
+    """Calls the user's function (or its class's instance, built once per actor) on each shard, then checks the
+    returned table against the contract (see the module docstring)."""
+
+    schema = ""  # conforms its own output: the input's columns keep their types, the added ones are kept
+
+    def __init__(
+        self,
+        *,
+        stage: str,
+        call: str,
+        params: dict[str, Any],
+        outputs: list[str],
+        schema: str,
+        function: Callable[..., Any] | None = None,
+    ):
+        target = function if function is not None else import_reference(call, what=f"stage {stage}: call")
+        self.stage, self.call, self.outputs, self.input_schema = stage, call, outputs, load_schema(schema)
+        if isinstance(target, type):
+            self.function, self.params = _built(target, params, stage=stage, call=call), {}
+        else:
+            self.function, self.params = target, params
+
+    def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        import time
+
+        started = time.perf_counter()
+        try:
+            out = self.function(table, **self.params)
+        except Exception as error:  # the user's code: its failure is the stage's, named, not our traceback
+            raise DataError(f"stage {self.stage}: {self.call} raised {_described(error)}") from error
+        elapsed = time.perf_counter() - started
+        out = checked_output(table, out, stage=self.stage, outputs=self.outputs, schema=self.input_schema)
+        return out, {"rows": out.num_rows, "call_s": elapsed}
+
+
+def _built(cls: type, params: dict[str, Any], *, stage: str, call: str) -> Any:
+    try:
+        return cls(**params)
+    except Exception as error:  # the user's constructor
+        raise DataError(f"stage {stage}: building {call}(**params) raised {_described(error)}") from error
+
+
+def _described(error: BaseException) -> str:
+    """The exception and the line of user code it came from (the last frame of its traceback)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def checked_output(before: pa.Table, after: Any, *, stage: str, outputs: list[str], schema: pa.Schema) -> pa.Table:
+    """``after`` if it keeps the contract with ``before`` (see the module docstring), with the input schema's columns
+    cast back to their declared types; a DataError naming the stage and the column otherwise."""
+    if isinstance(after, pa.RecordBatch):
+        after = pa.Table.from_batches([after])
+    if not isinstance(after, pa.Table):
+        raise DataError(f"stage {stage} returned a {type(after).__name__}; it must return a pyarrow.Table")
+    if after.num_rows != before.num_rows:
+        raise DataError(
+            f"stage {stage} returned {after.num_rows} rows for a shard of {before.num_rows}; a stage keeps every row, "
+            "in order (set a column, e.g. a flag or a zero reward, instead of dropping a row)"
+        )
+    declared = set(outputs)
+    for name in before.column_names:
+        if name not in after.column_names:
+            raise DataError(f"stage {stage} dropped the column {name!r}; a stage keeps every column it is given")
+        if name not in declared and not after.column(name).equals(before.column(name)):
+            raise DataError(
+                f"stage {stage} changed the column {name!r}, which its outputs do not declare; add it to outputs "
+                "if the change is meant"
+            )
+    undeclared = [name for name in after.column_names if name not in before.column_names and name not in declared]
+    if undeclared:
+        raise DataError(f"stage {stage} added the column(s) {undeclared}, which its outputs do not declare")
+    missing = [name for name in outputs if name not in after.column_names]
+    if missing:
+        raise DataError(f"stage {stage} did not return the column(s) {missing} that its outputs declare")
+    return _cast_to_input_types(after, stage=stage, schema=schema)
+
+
+def _cast_to_input_types(table: pa.Table, *, stage: str, schema: pa.Schema) -> pa.Table:
+    """The input schema's columns first, at their declared types; the stage's own columns after them, as returned."""
+    columns, fields = [], []
+    for field in schema:
+        column = table.column(field.name)
+        try:
+            columns.append(column.cast(field.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+            raise DataError(
+                f"stage {stage} returned the column {field.name!r} as {column.type}, which does not convert to its "
+                f"type {field.type}: {error}"
+            ) from None
+        fields.append(field)
+    for name in table.column_names:
+        if schema.get_field_index(name) < 0:
+            columns.append(table.column(name))
+            fields.append(pa.field(name, table.column(name).type))
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+
+
+def user_stages(cfg: PipelineConfig) -> list[type[Stage]]:
+    """One Stage class per ``stages:`` entry, in order: each reads the table of the stage before it (the built-in
+    it follows, or the user stage listed before it with the same ``after``) and takes over the built-in's table."""
+    classes: list[type[Stage]] = []
+    last = dict(AFTER)  # the table a new stage after each built-in reads
+    for index, entry in enumerate(cfg.stages):
+        followed = AFTER[entry.after]
+        cls = type(
+            f"UserStage_{entry.name}",
+            (UserStage,),
+            {
+                "name": entry.name,
+                "table": entry.name,
+                "schema": followed,  # the table it follows: the same columns, plus its own
+                "inputs": (last[entry.after],),
+                "takes_over": followed,
+                "timing_name": entry.name,
+                "index": index,
+                "__module__": __name__,
+            },
+        )
+        last[entry.after] = entry.name
+        classes.append(cls)
+    return classes
+
+
+STAGE_PROVIDERS.append(user_stages)

@@ -1,0 +1,133 @@
+"""User stages (`stages:`): where they go in the dataflow, the contract their output must keep, and the examples."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+import batchrl.api  # noqa: F401  (registers the built-in stages and the user-stage provider)
+from batchrl.config import ConfigError, validate_dict
+from batchrl.errors import DataError
+from batchrl.pipeline.stage import STAGES, source_table, stage_order, sync_stages
+from batchrl.stages.user import checked_output
+from examples.prompt_shaping import shape_by_prompt_length
+from examples.safety_filter import SafetyFilter
+
+SAFETY = {
+    "name": "safety",
+    "after": "score",
+    "call": "examples.safety_filter:SafetyFilter",
+    "params": {"banned_words": ["exploit"]},
+    "outputs": ["scores", "safety_scores", "unsafe"],
+}
+SHAPING = {
+    "name": "shaping",
+    "after": "score",
+    "call": "examples.prompt_shaping:shape_by_prompt_length",
+    "params": {"tokens_per_prompt_token": 0.5, "min_budget": 4, "penalty_per_token": 0.05},
+    "outputs": ["scores", "length_penalties"],
+}
+
+
+def config(stages: list[dict]):
+    return validate_dict({"name": "p", "model": {"path": "m"}, "data": {"train_files": ["d"]}, "stages": stages})
+
+
+@pytest.fixture(autouse=True)
+def built_ins_only_afterwards():
+    yield
+    sync_stages(config([]))
+
+
+def test_stages_after_score_run_in_the_order_listed_and_advantage_reads_the_last_one():
+    sync_stages(config([SAFETY, SHAPING, SAFETY | {"name": "raw_check", "after": "generate"}]))
+    order = stage_order()
+    assert order.index("generate") < order.index("raw_check") < order.index("score")
+    assert order.index("score") < order.index("safety") < order.index("shaping") < order.index("advantage")
+    assert STAGES["safety"].inputs == ("scores",) and STAGES["shaping"].inputs == ("safety",)
+    assert source_table("scores", "advantage") == "shaping"
+    assert source_table("rollouts", "score") == "raw_check"
+    assert source_table("scores", "safety") == "scores"  # the inserted stages read the chain as it is
+
+
+def test_a_config_without_user_stages_leaves_only_the_built_ins():
+    sync_stages(config([SAFETY]))
+    sync_stages(config([]))
+    assert "safety" not in STAGES and source_table("scores", "advantage") == "scores"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"name": "scores"}, r"stages\[0\]\.name='scores' is a built-in stage or table name"),
+        ({"name": "Safety"}, r"stages\.0\.name"),
+        ({"after": "update"}, r"stages\.0\.after"),
+        ({"call": "not a reference"}, r"is not a 'package\.module:function'"),
+        ({"outputs": []}, r"stages\.0\.outputs"),
+    ],
+)
+def test_a_bad_stage_entry_is_a_config_error_naming_the_field(change, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        config([SAFETY | change])
+
+
+def test_two_stages_of_one_name_are_a_config_error():
+    with pytest.raises(ValueError, match=r"stages\[1\]\.name='safety' is used twice"):
+        config([SAFETY, SAFETY])
+
+
+def shard() -> pa.Table:
+    return pa.table(
+        {
+            "prompt_id": ["a", "b"],
+            "prompt_token_ids": pa.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2]], pa.list_(pa.int32())),
+            "response_texts": [["fine answer", "an exploit here"], ["ok", "exploit"]],
+            "response_lengths": pa.array([[2, 12], [3, 9]], pa.list_(pa.int32())),
+            "scores": pa.array([[1.0, 1.0], [0.5, 1.0]], pa.list_(pa.float32())),
+        }
+    )
+
+
+SCHEMA = shard().schema
+
+
+def test_the_safety_example_zeroes_unsafe_rewards_and_flags_them():
+    out = SafetyFilter(banned_words=["exploit"], min_safety=0.9)(shard())
+    assert out.column("unsafe").to_pylist() == [[False, True], [False, True]]
+    assert out.column("safety_scores").to_pylist()[0][1] == pytest.approx(1 - 1 / 3)
+    assert out.column("scores").to_pylist() == [[1.0, 0.0], [0.5, 0.0]]
+    checked_output(shard(), out, stage="safety", outputs=SAFETY["outputs"], schema=SCHEMA)
+
+
+def test_the_shaping_example_charges_tokens_beyond_the_prompts_budget():
+    out = shape_by_prompt_length(shard(), tokens_per_prompt_token=0.5, min_budget=4, penalty_per_token=0.05)
+    # budgets: max(4, 0.5 x 10) = 5 and max(4, 0.5 x 2) = 4
+    flat = [value for group in out.column("length_penalties").to_pylist() for value in group]
+    assert flat == pytest.approx([0.0, 0.35, 0.0, 0.25])
+    flat = [value for group in out.column("scores").to_pylist() for value in group]
+    assert flat == pytest.approx([1.0, 0.65, 0.5, 0.75])
+
+
+def test_output_columns_of_the_input_are_cast_back_and_added_ones_kept():
+    out = shard().set_column(4, "scores", pa.array([[0.0, 1.0], [1.0, 1.0]], pa.list_(pa.float64())))
+    out = out.append_column("note", pa.array(["x", "y"]))
+    checked = checked_output(shard(), out, stage="s", outputs=["scores", "note"], schema=SCHEMA)
+    assert checked.schema.field("scores").type == pa.list_(pa.float32())
+    assert checked.column_names == [*SCHEMA.names, "note"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "outputs", "message"),
+    [
+        (lambda t: t.slice(0, 1), ["scores"], r"stage s returned 1 rows for a shard of 2"),
+        (lambda t: t.drop_columns(["response_texts"]), ["scores"], r"dropped the column 'response_texts'"),
+        (lambda t: t.set_column(0, "prompt_id", pa.array(["b", "a"])), ["scores"], r"changed the column 'prompt_id'"),
+        (lambda t: t.append_column("extra", pa.array([1, 2])), ["scores"], r"added the column\(s\) \['extra'\]"),
+        (lambda t: t, ["scores", "flag"], r"did not return the column\(s\) \['flag'\]"),
+        (lambda t: t.set_column(4, "scores", pa.array(["x", "y"])), ["scores"], r"'scores' as string"),
+        (lambda t: t.to_pylist(), ["scores"], r"returned a list; it must return a pyarrow\.Table"),
+    ],
+)
+def test_an_output_that_breaks_the_contract_is_a_data_error_naming_stage_and_column(edit, outputs, message):
+    with pytest.raises(DataError, match=message):
+        checked_output(shard(), edit(shard()), stage="s", outputs=outputs, schema=SCHEMA)
