@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages, in run order)
@@ -137,8 +136,7 @@ class Run:
         return pa.concat_tables([read_parquet(f"{step.output_dir}/{part.name}") for part in manifest.parts])
 
     def metrics(self) -> list[dict[str, Any]]:
-        """The per-iteration metrics (metrics.jsonl), in order."""
-        import json
+        """The per-iteration metrics (<run>/metrics.jsonl, local or s3://), in order."""
+        from batchrl.tracking.report import read_metrics
 
-        path = Path(self.run_dir) / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.run_dir)

@@ -30,17 +30,36 @@ class TableInfo:
 
 
 def run_tables(run_dir: str) -> list[TableInfo]:
-    """Every committed table of the run, in pipeline order (tables of unfinished stages are left out)."""
+    """Every committed table of the run, in pipeline order (tables of unfinished stages are left out): per iteration
+    the built-in ones and those of user stages (any other directory with a table's manifest), in the order their
+    stages started."""
     layout = RunLayout(run_dir.rstrip("/"))
     tables = _tables_of(layout.table_dir("prompts", None), "prompts")
     for iteration in iteration_dirs(layout.run_dir):
-        for table in ITERATION_TABLES:
-            tables += _tables_of(layout.table_dir(table, iteration), f"iter {iteration} {table}")
+        found = []
+        for table in [*ITERATION_TABLES, *_other_tables(layout.iteration_dir(iteration))]:
+            manifest = read_manifest(layout.table_dir(table, iteration))
+            if manifest is not None and manifest.schema:
+                found.append((manifest.started_at, table, manifest))
+        for _, table, manifest in sorted(found, key=lambda item: item[:2]):
+            tables += _tables_of(layout.table_dir(table, iteration), f"iter {iteration} {table}", manifest=manifest)
     return tables
 
 
-def _tables_of(table_dir: str, label: str) -> list[TableInfo]:
-    manifest: Manifest | None = read_manifest(table_dir)
+def _other_tables(iteration_dir: str) -> list[str]:
+    """Directories of an iteration that are not the built-in tables, the policy or the evaluation: user stages'."""
+    fs, path = resolve(iteration_dir)
+    try:
+        entries = fs.ls(path.rstrip("/"), detail=True)
+        names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+    except FileNotFoundError:
+        return []
+    skipped = {*ITERATION_TABLES, "policy", "evaluations"}
+    return sorted(n for n in names if n not in skipped and not n.startswith((".", "_")))
+
+
+def _tables_of(table_dir: str, label: str, *, manifest: Manifest | None = None) -> list[TableInfo]:
+    manifest = manifest or read_manifest(table_dir)
     if manifest is None or not manifest.schema:
         return []
     out = [

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from harness import REPO, cli, cli_ok, read_manifest, read_metrics, read_rows, start_cli
 
+from batchrl.tracking import run_tables
+
 pytestmark = pytest.mark.slow
 
 PAUSE_ENV = "BATCHRL_TEST_STAGE_PAUSE"  # a directory: the probe stage waits in part-00001 until `go` is there
@@ -110,6 +112,9 @@ def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stag
     assert {(r["prompt_id"], r["sample_idx"]): r["score"] for r in advantages} == pytest.approx(flat(shaping, "scores"))
     metrics = read_metrics(tmp_path / "runs" / "user")[0]
     assert metrics["stage/probe/rows"] == 8 and "timing_s/shaping" in metrics
+
+    labels = [t.label for t in run_tables(str(tmp_path / "runs" / "user")) if t.label.startswith("iter 0")]
+    assert labels == [f"iter 0 {t}" for t in ("rollouts", "probe", "scores", "safety", "shaping", "advantages")]
 
     again = run(path, "user", probe_dir)
     assert "ran 0 stage(s)" in again.stdout
