@@ -118,6 +118,9 @@ def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stag
 
     again = run(path, "user", probe_dir)
     assert "ran 0 stage(s)" in again.stdout
+    forced = cli_ok("plan", path, "--from-stage", "safety", path_first=[probe_dir, REPO]).stdout
+    status = {line[2:24].strip(): line[24:].split()[0] for line in forced.splitlines()[1:]}
+    assert status["iter 0 score"] == "done" and status["iter 0 safety"] == status["iter 0 advantage"] == "forced"
 
     # an edit to the probe's module re-runs it and everything after it; generate stays done
     (probe_dir / "user_probe.py").write_text((probe_dir / "user_probe.py").read_text() + "\n# edited\n")
