@@ -193,9 +193,11 @@ class GenerateConfig(_Strict):
         description="run: engines are built once and new policies are pushed into them in place each "
         "iteration. sleep: as run, but after each generate (and evaluate) stage the engines free their device memory "
         "(vLLM sleep mode level 2: weights and KV cache dropped, the engine and its CUDA graphs kept) and the next "
-        "shard wakes them with the new policy's weights; for generation and training sharing GPUs (vLLM: CUDA "
-        "only; the hf engine anywhere). stage: engines are released after each generate stage and rebuilt for the "
-        "next (the fallback when sleep mode is unavailable).",
+        "shard wakes them with the new policy's weights; for generation and training sharing GPUs on one host (vLLM: "
+        "CUDA only; the hf engine anywhere). Sleeping engines keep their Ray GPU reservations, so with "
+        "update.launcher=ray the update's placement group would wait for them: use stage there. stage: engines "
+        "are released after each generate stage and rebuilt for the next (the fallback when sleep mode is "
+        "unavailable).",
     )
 
     @model_validator(mode="after")
