@@ -72,7 +72,6 @@ class Pipeline:
         """
         call = function if isinstance(function, str) else register_function(function)
         stages = [s.model_dump() for s in self.config.stages]
-        after, position = stage, len(stages)
         user = [s["name"] for s in stages]
         if stage in user:  # after a user stage: in its chain, right behind it
             after, position = stages[user.index(stage)]["after"], user.index(stage) + 1
@@ -81,6 +80,7 @@ class Pipeline:
                 f"insert_after({stage!r}): a stage goes after generate, score, advantage or a user stage ({user})"
             )
         else:  # after a built-in: behind the user stages already there
+            after = stage
             position = max([i + 1 for i, s in enumerate(stages) if s["after"] == stage], default=len(stages))
         entry = {"name": name, "after": after, "call": call, "params": params or {}, "outputs": list(outputs)}
         stages.insert(position, entry | resources)
@@ -120,7 +120,7 @@ class Run:
         """A stage's table (its name as in the plan: generate, score, advantage, a user stage, ...; or the table's
         own: rollouts, scores, ...) as a pyarrow.Table, read from its committed parts in order."""
         from batchrl.pipeline.stage import STAGES
-        from batchrl.storage import read_parquet
+        from batchrl.storage import join, read_parquet
         from batchrl.storage.manifest import read_manifest
 
         stage = next((s for s, cls in STAGES.items() if name in (s, cls.table)), None)
@@ -133,7 +133,7 @@ class Run:
             raise KeyError(f"{step.label} has no committed table")
         import pyarrow as pa
 
-        return pa.concat_tables([read_parquet(f"{step.output_dir}/{part.name}") for part in manifest.parts])
+        return pa.concat_tables([read_parquet(join(step.output_dir, part.name)) for part in manifest.parts])
 
     def metrics(self) -> list[dict[str, Any]]:
         """The per-iteration metrics (<run>/metrics.jsonl, local or s3://), in order."""

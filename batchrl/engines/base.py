@@ -77,6 +77,7 @@ class Engine(Protocol):
     """A generation engine. Output[p][s] depends only on (prompt p, seeds[p][s], sampling, weights)."""
 
     name: str
+    asleep: bool  # after sleep(), until load_checkpoint()
 
     def generate(
         self,

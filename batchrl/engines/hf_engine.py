@@ -146,6 +146,10 @@ class HFEngine:
             self._sleeping_buffers = None
         self.model.load_state_dict(state, strict=False)
 
+    @property
+    def asleep(self) -> bool:
+        return self._sleeping_buffers is not None
+
     def sleep(self) -> None:
         """Drops the parameters (to the meta device), keeping only the buffers no checkpoint holds."""
         if self.model is None:

@@ -15,8 +15,6 @@ checks the pushed engine against a transformers forward of the new weights).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
 
 from batchrl.engines.base import checkpoint_tensors
 
@@ -43,20 +41,10 @@ def _quiet_reload_logger() -> None:
 class CheckpointLoader:
     """Mixed into vLLM's worker class (engine argument worker_extension_cls); adds one RPC-callable method."""
 
-    def batchrl_load_checkpoint(self, checkpoint_dir: str) -> int:
-        """Reloads every weight from the checkpoint directory (a local path on this worker's host), in place.
-        Returns the number of tensors read."""
+    def batchrl_load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Reloads every weight from the checkpoint directory (a local path on this worker's host), in place."""
         hf_config = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        count = 0
-
-        def counted() -> Iterator[tuple[str, Any]]:
-            nonlocal count
-            for item in checkpoint_tensors(checkpoint_dir, tied_lm_head=tied):
-                count += 1
-                yield item
-
         _quiet_reload_logger()
-
-        self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
-        return count
+        tensors = checkpoint_tensors(checkpoint_dir, tied_lm_head=tied)
+        self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]

@@ -89,7 +89,6 @@ class GenerateWorker(ShardWorker):
         self.unreported_build_s = time.perf_counter() - started  # reported with the first shard
         logger.info("%s engine ready in %.1f s", self.engine.name, self.unreported_build_s)
         self.settings: ShardSettings | None = None
-        self.asleep = False
 
     def generate_shard(self, job: dict[str, str], settings: ShardSettings) -> dict[str, Any]:
         """Generates one shard with ``settings.policy``; returns the part's metadata and this call's timings."""
@@ -103,20 +102,18 @@ class GenerateWorker(ShardWorker):
     def load_policy(self, policy: str) -> float:
         """Pushes a new checkpoint's weights into the live engine, in place (a sleeping engine wakes with them, even
         for the policy it had); returns the seconds it took."""
-        if policy == self.policy and not self.asleep:
+        if policy == self.policy and not self.engine.asleep:
             return 0.0
         started = time.perf_counter()
         self.engine.load_checkpoint(local_copy(policy))
-        self.policy, self.asleep = policy, False
+        self.policy = policy
         elapsed = time.perf_counter() - started
         logger.info("pushed %s into the live engine in %.3f s", policy, elapsed)
         return elapsed
 
     def sleep(self) -> None:
         """Frees the engine's device memory until the next shard (generate.engine_lifetime: sleep)."""
-        if not self.asleep:
-            self.engine.sleep()
-            self.asleep = True
+        self.engine.sleep()
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         from batchrl.engines import SamplingSpec

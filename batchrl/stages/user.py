@@ -52,7 +52,7 @@ def register_function(function: Callable[..., Any]) -> str:
     """The reference a stage's config names a function object by ("module:qualname"), remembered for this process:
     its actors get the object itself (cloudpickle), so a function defined in a script or a notebook works."""
     qualname = getattr(function, "__qualname__", "")
-    if not callable(function) or not qualname.isidentifier() and not all(p.isidentifier() for p in qualname.split(".")):
+    if not callable(function) or not all(part.isidentifier() for part in qualname.split(".")):
         raise ConfigError(f"{function!r} is not a named function or class (a lambda or a local one has no name to use)")
     reference = f"{function.__module__}:{qualname}"
     FUNCTIONS[reference] = function
