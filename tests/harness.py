@@ -186,6 +186,20 @@ def start_cli(
         )
 
 
+def kill_run_when(flag: Path, process: subprocess.Popen, *, log: Path, timeout_s: float = 600) -> None:
+    """Waits until ``flag`` exists (a test hook inside the run says it reached the moment to kill it), then kills the
+    run's whole process group with SIGKILL; fails with the end of ``log`` if the run ends or times out first."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not flag.exists():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and everything it started
+    process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -200,6 +200,32 @@ class GenerateConfig(_Strict):
         "unavailable).",
     )
 
+    logged: Literal["all"] | list[int] | None = Field(
+        None,
+        description="Training on logged data: the iterations whose rollouts are the responses logged in the prompt "
+        "rows (fields responses, optional rewards, response_logprobs, response_token_ids) instead of generated ones; "
+        "'all' for every iteration, a list of iteration numbers (e.g. [0] to start from the logs, then generate), or "
+        "null (default) to always generate. Set, it makes every prompt row need logged responses (ingest rejects a "
+        "row without: missing_responses). See README, 'Training on logged data'.",
+    )
+
+    @field_validator("logged")
+    @classmethod
+    def _check_logged(cls, logged: Any) -> Any:
+        if isinstance(logged, list):
+            if not logged:
+                raise ValueError("generate.logged is an empty list: list iteration numbers, or 'all', or null")
+            if any(i < 0 for i in logged):
+                raise ValueError(f"generate.logged lists negative iterations {sorted(i for i in logged if i < 0)}")
+            return sorted(set(logged))
+        return logged
+
+    def is_logged(self, iteration: int | None) -> bool:
+        """Whether ``iteration``'s rollouts are the logged responses (generate.logged)."""
+        if self.logged is None:
+            return False
+        return self.logged == "all" or (iteration or 0) in self.logged
+
     @model_validator(mode="after")
     def _check_sleep(self) -> GenerateConfig:
         if self.engine_lifetime == "sleep" and self.engine != "hf" and self.gpus_per_actor <= 0:

@@ -147,7 +147,8 @@ class RewardKL:
         behaviour = samples.flat_rollout_logprobs()
         if len(behaviour) != int(samples.response_offsets_N1[-1]):
             raise DataError(
-                "kl_in_reward needs the rollouts' per-token log-probs, and some are missing or of "
+                "kl_in_reward needs the rollouts' per-token log-probs, and some are missing (logged responses without "
+                "response_logprobs) or of "
                 "another length than their responses"
             )
         reference = response_logprobs(
@@ -221,10 +222,17 @@ class AdvantageWorker(ShardWorker):
             if kl_PG is not None:  # verl's actor/reward_kl_penalty: the mean over samples of the per-token mean KL
                 kl_token_mean_sum += float((kl_PG / np.maximum(groups.lengths_PG, 1.0)).sum())
         out = in_shard_order(pieces)
-        counts = summarize_advantages(out) | {"groups_filtered": filtered}
+        counts = summarize_advantages(out) | {"groups_filtered": filtered, "logprobs_missing": missing_logprobs(out)}
         if self.reward_kl is not None:
             counts["reward_kl_token_mean_sum"] = kl_token_mean_sum
         return out, counts
+
+
+def missing_logprobs(table: pa.Table) -> int:
+    """Samples with response tokens but no behaviour log-probs (logged without them): the update recomputes them."""
+    logprobs = pc.list_value_length(table.column("response_logprobs")).fill_null(0).to_numpy(zero_copy_only=False)
+    tokens = pc.list_value_length(table.column("response_token_ids")).fill_null(0).to_numpy(zero_copy_only=False)
+    return int(((logprobs == 0) & (tokens > 0)).sum())
 
 
 def checked(estimate, groups: ShardGroups, cfg: AdvantageConfig) -> np.ndarray:

@@ -150,11 +150,12 @@ class EvaluateStage(Stage):
 
 
 def eval_prompts_config(cfg: PipelineConfig) -> PipelineConfig:
-    """The run's config with data.train_files replaced by the held-out files (what ingest reads for evaluation)."""
+    """The run's config with data.train_files replaced by the held-out files (what ingest reads for evaluation),
+    plain prompts even when training is on logged data (the policy answers them)."""
     data = cfg.data.model_copy(
         update={"train_files": list(cfg.evaluate.files), "max_prompts": cfg.evaluate.max_prompts}
     )
-    return cfg.model_copy(update={"data": data})
+    return cfg.model_copy(update={"data": data, "generate": cfg.generate.model_copy(update={"logged": None})})
 
 
 def ingest_eval_prompts(ctx: StageContext) -> tuple[str, Manifest]:

@@ -27,12 +27,14 @@ import pyarrow as pa
 
 from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
 from batchrl.config import PipelineConfig
+from batchrl.errors import DataError
 from batchrl.pipeline.deadlines import DeadlineStats, run_with_deadlines, task_retries
-from batchrl.pipeline.shards import FinishedShards, ShardWorker, pending_shards
+from batchrl.pipeline.shards import FinishedShards, ShardWorker, map_shards, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import join, local_copy
 from batchrl.storage.layout import part_name
 from batchrl.storage.manifest import Manifest
+from batchrl.storage.schemas import load_schema
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +131,7 @@ class GenerateWorker(ShardWorker):
             table.column("prompt_token_ids").to_pylist(), seeds=seeds, sampling=SamplingSpec(**s.sampling)
         )
         elapsed = time.perf_counter() - started
-        out = table
+        out = without_logged(table, keep_rewards=False)
         for name, values in {
             "response_texts": [[r.text for r in g] for g in groups],
             "response_token_ids": [[r.token_ids for r in g] for g in groups],
@@ -141,6 +143,59 @@ class GenerateWorker(ShardWorker):
         }.items():
             out = out.append_column(name, pa.array(values))
         return out, summarize_rollouts(out) | {"engine_time_s": elapsed}
+
+
+class LoggedRolloutsWorker(ShardWorker):
+    """generate at a logged iteration (generate.logged): the logged responses of the prompt rows become the
+    rollouts, no engine involved. The responses move to the response columns (the logged_* ones are nulled, but
+    the rewards, which score keeps); a response without behaviour log-probs gets an empty list (the update
+    recomputes them); seeds -1, policy_version -1 (the behaviour policy is unknown), finish reason 'logged'."""
+
+    schema = "rollouts"
+
+    def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        responses = table.column("logged_responses").to_pylist()
+        if any(r is None for r in responses):
+            raise DataError(
+                "generate.logged: prompt rows without logged responses; the prompts table was ingested without "
+                "generate.logged (rerun with --from-stage ingest)"
+            )
+        token_ids = table.column("logged_response_token_ids").to_pylist()
+        logprobs = [
+            lp if lp is not None else [[] for _ in group]
+            for lp, group in zip(table.column("logged_logprobs").to_pylist(), responses)
+        ]
+        out = without_logged(table, keep_rewards=True)
+        for name, values in {
+            "response_texts": responses,
+            "response_token_ids": token_ids,
+            "response_logprobs": logprobs,
+            "finish_reasons": [["logged"] * len(g) for g in responses],
+            "response_lengths": [[len(ids) for ids in g] for g in token_ids],
+            "sample_seeds": [[-1] * len(g) for g in responses],
+            "policy_version": [-1] * table.num_rows,
+        }.items():
+            out = out.append_column(name, pa.array(values))
+        missing = sum(1 for g, lens in zip(logprobs, token_ids) for lp, ids in zip(g, lens) if ids and not lp)
+        rewards = sum(1 for g in table.column("logged_rewards").to_pylist() if g for r in g if r is not None)
+        counts = {"logged_samples": sum(len(g) for g in responses), "logged_rewards": rewards}
+        return out, summarize_rollouts(out) | counts | {"logprobs_missing": missing}
+
+
+def without_logged(table: pa.Table, *, keep_rewards: bool) -> pa.Table:
+    """``table`` with its logged_* columns null (a prompts table of an older schema gains them), but for
+    logged_rewards with ``keep_rewards``: the rollouts carry no copy of a log, and fresh responses no logged
+    reward."""
+    schema = load_schema("prompts")
+    for name in ("logged_responses", "logged_response_token_ids", "logged_rewards", "logged_logprobs"):
+        if keep_rewards and name == "logged_rewards" and name in table.column_names:
+            continue
+        nulls = pa.nulls(table.num_rows, schema.field(name).type)
+        if name in table.column_names:
+            table = table.set_column(table.column_names.index(name), name, nulls)
+        else:
+            table = table.append_column(name, nulls)
+    return table
 
 
 def summarize_rollouts(table: pa.Table) -> dict[str, float]:
@@ -309,7 +364,21 @@ class GenerateStage(Stage):
         ]
         parts, counts, jobs = pending_shards(all_jobs, output_dir=ctx.output_dir)
         timings: list[dict[str, float]] = []
-        if jobs:
+        if jobs and g.is_logged(ctx.iteration):
+            rows = map_shards(
+                LoggedRolloutsWorker,
+                {},
+                jobs,
+                concurrency=g.num_actors,
+                num_cpus=1.0,
+                description="generate (logged)",
+                progress_bars=ctx.cfg.tracking.progress_bars,
+                embedded_ray=ctx.embedded_ray,
+            )
+            with FinishedShards(jobs, output_dir=ctx.output_dir, parts=parts, counts=counts) as finished:
+                for row in rows:
+                    finished.add(row)
+        elif jobs:
             pool = EnginePool.get(
                 engine_spec(ctx.cfg),
                 num_actors=min(g.num_actors, len(jobs)),

@@ -84,7 +84,10 @@ class IngestStage(Stage):
         data = cfg.data.model_dump(
             exclude_defaults=True, exclude={"prompts_per_iteration", "num_actors", "cpus_per_actor"}
         )
-        return {"data": data, "tokenizer": cfg.model.tokenizer or cfg.model.path}
+        logged = {}
+        if cfg.generate.logged is not None:  # rows need (and carry) their logged responses, cut at max_new_tokens
+            logged = {"logged": cfg.generate.logged == "all" or "some", "max_new_tokens": cfg.generate.max_new_tokens}
+        return {"data": data, "tokenizer": cfg.model.tokenizer or cfg.model.path} | logged
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         return [ActorNeed(cfg.data.cpus_per_actor, 0.0, "data.cpus_per_actor", "data.cpus_per_actor")]
@@ -137,13 +140,18 @@ def check_files(files: list[InputFile], cfg: PipelineConfig) -> None:
     """DataError naming the first file without a required column (a JSONL file: in its first record)."""
     needs_data_source = rewards_need_data_source(cfg)
     try:
-        needs_ground_truth = LabelRule(cfg.score).every_row
+        # every iteration logged: a row whose responses all carry rewards needs no label (checked row by row)
+        needs_ground_truth = LabelRule(cfg.score).every_row and cfg.generate.logged != "all"
     except ValueError as err:  # an unknown reward: named by the score stage's own check too
         raise ConfigError(f"score: {err}") from None
     for file in files:
         if not (file.jsonl and file.empty):
             check_columns(
-                file.uri, set(file.columns), needs_data_source=needs_data_source, needs_ground_truth=needs_ground_truth
+                file.uri,
+                set(file.columns),
+                needs_data_source=needs_data_source,
+                needs_ground_truth=needs_ground_truth,
+                needs_responses=cfg.generate.logged is not None,
             )
 
 

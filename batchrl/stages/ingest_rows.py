@@ -7,8 +7,8 @@ Accepts two layouts, per record: batchrl's (``prompt`` as a string or chat messa
 ``data_source`` becomes ``unknown``. Reject reasons: empty_prompt, bad_prompt, bad_messages, bad_role,
 bad_ground_truth, missing_ground_truth (only where a reward that runs on the row needs a label: LabelRule; a
 prompt may have none when its rewards are label-free, e.g. a reward model alone), prompt_too_long (here),
-bad_json (a JSONL line that is not a JSON object, found by the reader) and duplicate_prompt_id (found across the
-whole input, see ingest_duplicates).
+bad_json (a JSONL line that is not a JSON object, found by the reader), duplicate_prompt_id (found across the
+whole input, see ingest_duplicates), and with generate.logged those of the logged responses (ingest_logged).
 """
 
 from __future__ import annotations
@@ -22,9 +22,19 @@ from typing import Any
 from batchrl.config import PipelineConfig
 from batchrl.errors import DataError
 from batchrl.rewards import LabelRule
+from batchrl.stages.ingest_logged import LOGGED_INPUT_COLUMNS, check_logged, logged_fields, rewards_complete
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render (OpenAI's, verl's data)
-INPUT_COLUMNS = ["prompt_id", "data_source", "prompt", "ground_truth", "reward_model", "extra_info"]
+INPUT_COLUMNS = [
+    "prompt_id",
+    "data_source",
+    "prompt",
+    "ground_truth",
+    "reward_model",
+    "extra_info",
+    *LOGGED_INPUT_COLUMNS,
+]
+LOGGED_COLUMNS = ("logged_responses", "logged_response_token_ids", "logged_rewards", "logged_logprobs")
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,8 @@ def normalized_row(raw: dict[str, Any], *, uri: str, stem: str, row: int) -> dic
         "extra_info_json": json.dumps(raw["extra_info"], default=str) if raw.get("extra_info") is not None else None,
         "source_file": uri,
         "source_row": row,
-    }
+        "logged_raw": logged_fields(raw),
+    } | dict.fromkeys(LOGGED_COLUMNS)
 
 
 def ground_truth_text(value: Any) -> tuple[str | None, str | None]:
@@ -96,21 +107,26 @@ def _plain_decimal(number: Decimal) -> str:
     return format(integral if number == integral else number.normalize(), "f")
 
 
-def validate(row: dict[str, Any], labels: LabelRule) -> Reject | None:
-    """The reject of a row whose prompt or ground truth is unusable, or that lacks the ground truth a reward that
-    runs on it needs (``labels``); None (and its ``messages`` set) otherwise."""
+def validate(row: dict[str, Any], labels: LabelRule, *, logged: str | list[int] | None = None) -> Reject | None:
+    """The reject of a row whose prompt, ground truth or logged responses (with ``logged``, generate.logged) are
+    unusable, or that lacks the ground truth a reward that runs on it needs (``labels``; none runs on a row whose
+    every logged response has its reward when every iteration is logged); None (and its ``messages`` set)
+    otherwise."""
 
     def reject(reason: str, detail: str) -> Reject:
         return Reject(row["source_file"], row["source_row"], row["prompt_id"], reason, detail)
 
     messages, problem = prompt_messages(row["prompt"])
+    if problem is None and logged is not None:
+        problem = check_logged(row)
+    row.pop("logged_raw", None)
     if problem is not None:
         return reject(*problem)
     if row["ground_truth_problem"] is not None:
         return reject("bad_ground_truth", row["ground_truth_problem"])
     if row["ground_truth"] is not None and not row["ground_truth"].strip():
         row["ground_truth"] = None  # a blank label is no label
-    if row["ground_truth"] is None:
+    if row["ground_truth"] is None and not (logged == "all" and rewards_complete(row)):
         needing = labels.needing_label(row["data_source"])
         if needing is not None:
             detail = f"no ground_truth / reward_model.ground_truth, which reward {needing!r} needs"
@@ -228,9 +244,16 @@ def rewards_need_data_source(cfg: PipelineConfig) -> bool:
     return not cfg.score.rewards and cfg.score.reward_model is None
 
 
-def check_columns(uri: str, columns: set[str], *, needs_data_source: bool, needs_ground_truth: bool = True) -> None:
+def check_columns(
+    uri: str,
+    columns: set[str],
+    *,
+    needs_data_source: bool,
+    needs_ground_truth: bool = True,
+    needs_responses: bool = False,
+) -> None:
     """DataError naming the file and the first required column it lacks (the ground truth only when every row
-    needs one: LabelRule.every_row)."""
+    needs one: LabelRule.every_row; the logged responses with generate.logged)."""
     layouts = (
         "use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or verl's "
         "(prompt, reward_model.ground_truth, data_source)"
@@ -249,6 +272,12 @@ def check_columns(uri: str, columns: set[str], *, needs_data_source: bool, needs
                 "it chooses each row's reward while score.rewards is empty: add the column "
                 "(e.g. openai/gsm8k) or list the rewards in score.rewards"
             ),
+        )
+    elif needs_responses and "responses" not in columns and "response" not in columns:
+        missing, hint = (
+            "'responses' (or 'response')",
+            "generate.logged trains on the responses logged with each prompt: add them (a list of strings, or one "
+            "string), or unset generate.logged to generate them",
         )
     else:
         return

@@ -23,6 +23,7 @@ from batchrl.config import PipelineConfig
 from batchrl.errors import DataError
 from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_duplicates import DuplicatesWorker
+from batchrl.stages.ingest_logged import tokenize_responses
 from batchrl.stages.ingest_rows import (
     INPUT_COLUMNS,
     Reject,
@@ -97,9 +98,16 @@ def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: st
             rejects.append(Reject(chunk.uri, row_number, None, "bad_json", raw))
             continue
         row = normalized_row(raw, uri=chunk.uri, stem=chunk.stem, row=row_number)
-        reject = validate(row, labels)
+        reject = validate(row, labels, logged=cfg.generate.logged)
         (rows if reject is None else rejects).append(row if reject is None else reject)
     tokenize_rows(rows, tokenizer, apply_template=data.apply_chat_template)
+    if cfg.generate.logged is not None:
+        bad = tokenize_responses(rows, tokenizer, max_tokens=cfg.generate.max_new_tokens)
+        rejects += [
+            Reject(r["source_file"], r["source_row"], r["prompt_id"], reason, detail) for r, reason, detail in bad
+        ]
+        dropped = {id(r) for r, _, _ in bad}
+        rows = [row for row in rows if id(row) not in dropped]
     kept = []
     for row in rows:
         reject = fit_length(row, tokenizer, max_tokens=data.max_prompt_tokens, policy=data.overlong_prompts)

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchrl.config import ConfigError, PipelineConfig
+from batchrl.errors import DataError
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import resolve_reward, reward_code
@@ -42,6 +43,7 @@ from batchrl.storage.sources import check_checkpoint_source
 logger = logging.getLogger(__name__)
 
 REWARD_MODEL_COMPONENT = "reward_model"
+LOGGED_COMPONENT = "logged"  # a logged reward (generate.logged), which replaces the computed ones of its sample
 TIMED_OUT = " timed out after "
 
 __all__ = ["RewardSet", "ScoreStage", "ScoreWorker", "summarize_scores"]
@@ -96,26 +98,41 @@ class ScoreWorker(ShardWorker):
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         with gc_paused():
             tasks, row_of_sample_S = sample_tasks(table)
+        logged_S = logged_rewards(table, num_samples=len(tasks))
+        # Only the samples without a logged reward are scored (all of them, unless training on logged data).
+        todo = np.arange(len(tasks)) if logged_S is None else np.flatnonzero(np.isnan(logged_S))
         names_of = {ds: self.term_names_for(ds) for ds in table.column("data_source").unique().to_pylist()}
         names_P = [names_of[ds] for ds in table.column("data_source").to_pylist()]
         weights_K = self.rule_weights()
         num_truncated = 0
+        todo_tasks = [tasks[i] for i in todo]
         if self.reward_model is None:
-            values_SK, errors_S = self._rule_components(tasks)
+            values_TK, errors_T = self._rule_components(todo_tasks)
         else:  # the rule rewards (mostly waiting on the child process) overlap the reward model's forward passes
             with ThreadPoolExecutor(1, thread_name_prefix="rule-rewards") as pool:
-                rules = pool.submit(self._rule_components, tasks)
-                model_S, num_truncated = self._reward_model_component(table, row_of_sample_S)
-                values_SK, errors_S = rules.result()
-            for i in np.flatnonzero(~np.isfinite(model_S)):
-                errors_S[i] = "; ".join(filter(None, [errors_S[i], f"{REWARD_MODEL_COMPONENT} returned {model_S[i]}"]))
-                model_S[i] = np.nan
-            values_SK = np.concatenate([values_SK, model_S[:, None]], axis=1)
+                rules = pool.submit(self._rule_components, todo_tasks)
+                model_T, num_truncated = self._reward_model_component(table, row_of_sample_S, todo)
+                values_TK, errors_T = rules.result()
+            for i in np.flatnonzero(~np.isfinite(model_T)):
+                errors_T[i] = "; ".join(filter(None, [errors_T[i], f"{REWARD_MODEL_COMPONENT} returned {model_T[i]}"]))
+                model_T[i] = np.nan
+            values_TK = np.concatenate([values_TK, model_T[:, None]], axis=1)
             names_P = [names + [REWARD_MODEL_COMPONENT] for names in names_P]
             weights_K = [*weights_K, self.reward_model_weight]
+        values_SK = np.full((len(tasks), values_TK.shape[1]), np.nan)
+        values_SK[todo] = values_TK
+        errors_S: list[str | None] = [None] * len(tasks)
+        for i, error in zip(todo, errors_T):
+            errors_S[i] = error
         total_S = combine_components(
             values_SK, np.asarray(weights_K, dtype=np.float64), failure_reward=self.failure_reward
         )
+        if logged_S is not None:  # a logged reward is the sample's score, kept as its own component
+            has_logged = ~np.isnan(logged_S)
+            total_S[has_logged] = logged_S[has_logged]
+            values_SK = np.concatenate([values_SK, logged_S[:, None]], axis=1)
+            names_P = [names + [LOGGED_COMPONENT] for names in names_P]
+            weights_K = [*weights_K, 1.0]
         out = append_score_columns(
             table,
             row_of_sample_S,
@@ -142,13 +159,20 @@ class ScoreWorker(ShardWorker):
                 self.rewards.evaluate(response, truth, sample_row(group, *sample))
                 for response, truth, group, *sample in tasks
             ]
-        num_terms = len(results[0][0]) if results else 0
+        num_terms = len(results[0][0]) if results else len(self.rule_weights())
         values_SK = np.array([values for values, _ in results], dtype=np.float64).reshape(len(tasks), num_terms)
         errors_S = [("; ".join(e for e in errors if e) or None) if any(errors) else None for _, errors in results]
         return values_SK, errors_S  # np.array turns None (a failed term) into NaN
 
-    def _reward_model_component(self, table: pa.Table, row_of_sample_S: np.ndarray) -> tuple[np.ndarray, int]:
-        responses = [r for group in table.column("response_texts").to_pylist() for r in group]
+    def _reward_model_component(
+        self, table: pa.Table, row_of_sample_S: np.ndarray, samples: np.ndarray
+    ) -> tuple[np.ndarray, int]:
+        """The reward model's score of the samples ``samples`` (flat positions; logged-reward samples left out)."""
+        if not len(samples):
+            return np.zeros(0), 0
+        row_of_sample_S = row_of_sample_S[samples]
+        flat = pc.list_flatten(table.column("response_texts"))
+        responses = flat.take(pa.array(samples, pa.int64())).to_pylist()
         prompts = table.column("prompt_text").take(row_of_sample_S).to_pylist()
         messages = table.column("messages_json").take(row_of_sample_S).to_pylist()
         texts = self.reward_model.texts(prompt_texts=prompts, messages_json=messages, responses=responses)
@@ -162,6 +186,25 @@ class ScoreWorker(ShardWorker):
 
     def __del__(self) -> None:
         self.close()
+
+
+def logged_rewards(table: pa.Table, *, num_samples: int) -> np.ndarray | None:
+    """Each sample's logged reward (NaN where it has none), or None when no row of the shard has one (training on
+    logged data: generate keeps the logged rewards in the rollouts of a logged iteration only)."""
+    if "logged_rewards" not in table.column_names or table.column("logged_rewards").null_count == table.num_rows:
+        return None
+    rewards_S: list[float] = []
+    for rewards, responses in zip(
+        table.column("logged_rewards").to_pylist(), table.column("response_texts").to_pylist()
+    ):
+        rewards = rewards if rewards is not None else [None] * len(responses)
+        rewards_S += [np.nan if r is None else r for r in rewards]
+    if len(rewards_S) != num_samples:
+        raise DataError(
+            f"logged_rewards counts {len(rewards_S)} rewards for {num_samples} responses; rerun generate (the "
+            "rollouts were not written by this version of it)"
+        )
+    return np.asarray(rewards_S, dtype=np.float64)
 
 
 @contextlib.contextmanager
@@ -272,13 +315,20 @@ def _component_counts(table: pa.Table, *, num_samples: int) -> dict[str, float]:
     names_id_S = np.repeat(np.asarray([distinct[n] for n in names_P]), samples_P)
     counts: dict[str, float] = {}
     for names, names_id in distinct.items():
+        # A sample with a logged reward ran no other component; a sample without one is not a logged failure.
+        logged_S = (
+            values_SK[names_id_S == names_id, names.index(LOGGED_COMPONENT)] if LOGGED_COMPONENT in names else None
+        )
         for k, name in enumerate(names):
             column_S = values_SK[names_id_S == names_id, k]
             scored_S = ~np.isnan(column_S)
+            ran_S = np.ones_like(scored_S) if logged_S is None else np.isnan(logged_S)
+            if name == LOGGED_COMPONENT:
+                ran_S = scored_S
             for key, value in (
                 (f"component_sum/{name}", float(column_S[scored_S].sum())),
                 (f"component_count/{name}", int(scored_S.sum())),
-                (f"failed/{name}", int((~scored_S).sum())),
+                (f"failed/{name}", int((ran_S & ~scored_S).sum())),
             ):
                 counts[key] = counts.get(key, 0) + value
     return counts

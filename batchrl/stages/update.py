@@ -29,6 +29,7 @@ the state this update resumes from is always kept, so a crash before the manifes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -44,7 +45,7 @@ from batchrl.config.models import UpdateConfig
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
-from batchrl.storage.manifest import PartInfo, file_sizes, read_manifest
+from batchrl.storage.manifest import Manifest, PartInfo, file_sizes, read_manifest
 from batchrl.tracking.progress import ProgressBar, progress
 
 logger = logging.getLogger(__name__)
@@ -111,11 +112,20 @@ class UpdateStage(Stage):
         try:
             if sum(part.rows for part in ctx.inputs["advantages"].parts) == 0:
                 return _carry_policy_forward(ctx, state)
-            if on_ray:
-                return _run_on_ray(ctx, state)
-            return _run_locally(ctx, state, resident=resident)
+            output = _run_on_ray(ctx, state) if on_ray else _run_locally(ctx, state, resident=resident)
+            return _with_recomputed_count(output, ctx.inputs["advantages"])
         except TrainerStateError as error:  # refused before anything was loaded from it
             raise _unusable_state(ctx, state.uri, error.name, error.reason) from None
+
+
+def _with_recomputed_count(output: StageOutput, advantages: Manifest) -> StageOutput:
+    """The update's output, its manifest counting the samples whose old log-probs were recomputed because the
+    rollouts had none (logged data without behaviour log-probs): `logprobs_recomputed`."""
+    missing = int(advantages.counts.get("logprobs_missing", 0))
+    if not missing:
+        return output
+    stats = dict(output.stats) | {"actor/recomputed_logprobs_samples": float(missing)}
+    return dataclasses.replace(output, counts={**output.counts, "logprobs_recomputed": missing}, stats=stats)
 
 
 @dataclass(frozen=True)

@@ -71,11 +71,20 @@ class Samples:
             dtype=np.int64,
         )
 
-    def flat_rollout_logprobs(self) -> np.ndarray:
-        """The engine's per-token log-probs as one flat array (lengths checked by check_advantages)."""
-        return np.concatenate(
-            [np.asarray(lp, dtype=np.float32) for lp in self.rollout_logprobs] + [np.zeros(0, dtype=np.float32)]
-        )
+    def flat_rollout_logprobs(self, fill: np.ndarray | None = None) -> np.ndarray:
+        """The engine's per-token log-probs as one flat array (lengths checked by check_advantages). A sample with
+        none (a logged response logged without them) takes its values from ``fill`` (flat like the responses: the
+        recomputed old log-probs), or raises without it."""
+        offsets = self.response_offsets_N1
+        pieces = []
+        for i, lp in enumerate(self.rollout_logprobs):
+            if not len(lp) and offsets[i + 1] > offsets[i]:
+                if fill is None:
+                    raise ValueError("a sample has no rollout log-probs and none were recomputed to fill them")
+                pieces.append(np.asarray(fill[offsets[i] : offsets[i + 1]], dtype=np.float32))
+            else:
+                pieces.append(np.asarray(lp, dtype=np.float32))
+        return np.concatenate(pieces + [np.zeros(0, dtype=np.float32)])
 
 
 def samples_from_table(table: pa.Table) -> Samples:

@@ -199,6 +199,7 @@ class ListScan:
     token_ranges: dict[str, tuple[int, int]]  # list column -> (min, max) id; absent when it holds no id
     length_mismatches: dict[str, int]  # list column -> rows whose list length is not the index's length
     logprob_mismatches: int  # rows with another number of engine log-probs than response tokens (when checked)
+    missing_logprobs: int = 0  # rows with no engine log-probs at all (logged data without them; recomputed)
 
 
 def scan_part(index: SampleIndex, part: int, *, check_rollout_logprobs: bool) -> ListScan:
@@ -210,14 +211,19 @@ def scan_part(index: SampleIndex, part: int, *, check_rollout_logprobs: bool) ->
     }
     if check_rollout_logprobs:
         expected["response_logprobs"] = index.response_lengths_N[positions]
-    ranges, mismatches = {}, {}
+    ranges, mismatches, missing = {}, {}, 0
     with open_parquet(index.files[part], metadata=index.footers[part]) as parquet:
         for column, lengths_R in expected.items():
             start, mismatches[column] = 0, 0
             for batch in _batches(parquet, column):
                 values = batch.column(0)
                 lengths = _list_lengths(values).to_numpy()
-                mismatches[column] += int((lengths != lengths_R[start : start + len(lengths)]).sum())
+                wrong = lengths != lengths_R[start : start + len(lengths)]
+                if column == "response_logprobs":  # none at all: a logged response without them (recomputed)
+                    absent = wrong & (lengths == 0)
+                    missing += int(absent.sum())
+                    wrong &= ~absent
+                mismatches[column] += int(wrong.sum())
                 start += len(lengths)
                 flat = pc.list_flatten(values)
                 if column.endswith("token_ids") and len(flat):
@@ -231,6 +237,7 @@ def scan_part(index: SampleIndex, part: int, *, check_rollout_logprobs: bool) ->
         token_ranges=ranges,
         length_mismatches={c: n for c, n in mismatches.items() if n},
         logprob_mismatches=logprob_mismatches,
+        missing_logprobs=missing,
     )
 
 

@@ -44,6 +44,21 @@ def uses_rollout_logprobs(spec: UpdateSpec) -> bool:
     return spec.update.old_logprobs == "rollout" or spec.update.rollout_is_cap is not None
 
 
+def recomputes_old(spec: UpdateSpec, *, missing_rollout_logprobs: int) -> bool:
+    """Whether the pre-update pass recomputes the old log-probs: with old_logprobs=recompute, and also when the
+    loss reads rollout log-probs that some samples lack (logged data): theirs are filled with the recomputed ones
+    (as the old policy they then start at ratio 1; for truncated IS their weight is 1)."""
+    return spec.update.old_logprobs == "recompute" or (uses_rollout_logprobs(spec) and missing_rollout_logprobs > 0)
+
+
+def old_logprobs_used(rows: Samples, values: dict[str, np.ndarray], spec: UpdateSpec) -> np.ndarray:
+    """The old log-probs the loss uses for ``rows``, flat: the rollout ones with old_logprobs=rollout (those a
+    sample lacks filled with the recomputed ones), else the recomputed ones."""
+    if spec.update.old_logprobs == "rollout":
+        return rows.flat_rollout_logprobs(fill=values.get("old"))
+    return values["old"]
+
+
 def mini_batch_options(spec: UpdateSpec) -> dict:
     """`batching.mini_batches`' options for this update (the shuffles derive from the spec's seed)."""
     return dict(groups_per_mini_batch=spec.update.ppo_mini_batch_size, seed=spec.seed)
@@ -142,10 +157,14 @@ def pre_update_pass(
     ctx: Dist,
     pad_token_id: int,
     scratch_dir: str,
+    recompute_old: bool | None = None,
 ) -> SpilledValues:
     """Compute this rank's share of the old/reference log-probs, epoch 0's mini-batch by mini-batch, before any
-    step; write its part of the log-probs table (`spec.logprobs_dir`). Returns where the values went."""
-    models, reference = _pass_models(policy, spec=spec, ctx=ctx)
+    step; write its part of the log-probs table (`spec.logprobs_dir`). Returns where the values went.
+    ``recompute_old``: `recomputes_old` (default: with old_logprobs=recompute)."""
+    if recompute_old is None:
+        recompute_old = recomputes_old(spec, missing_rollout_logprobs=0)
+    models, reference = _pass_models(policy, spec=spec, ctx=ctx, recompute_old=recompute_old)
     spilled = SpilledValues(list(models), index, scratch_dir)
     writer = LogprobsWriter(spec.logprobs_dir, rank=ctx.rank) if spec.logprobs_dir is not None else None
     try:
@@ -158,8 +177,7 @@ def pre_update_pass(
                 values = logprob_pass(models, rows, packs_plan, ctx=ctx, pad_token_id=pad_token_id)
                 spilled.append(mine, values)
                 if writer is not None:
-                    old = values["old"] if "old" in values else rows.flat_rollout_logprobs()
-                    writer.write(rows, old_flat=old, ref_flat=values.get("ref"))
+                    writer.write(rows, old_flat=old_logprobs_used(rows, values, spec), ref_flat=values.get("ref"))
         for model in {id(m): m for m in models.values()}.values():
             model.reshard()  # FSDP2 keeps the root unsharded after a forward (it expects a backward)
         if writer is not None:
@@ -174,11 +192,13 @@ def pre_update_pass(
     return spilled
 
 
-def _pass_models(policy: torch.nn.Module, *, spec: UpdateSpec, ctx: Dist) -> tuple[dict, torch.nn.Module | None]:
+def _pass_models(
+    policy: torch.nn.Module, *, spec: UpdateSpec, ctx: Dist, recompute_old: bool
+) -> tuple[dict, torch.nn.Module | None]:
     """({"old": the policy with recomputed old log-probs, "ref": the reference with the KL loss}, the reference
-    when it was loaded for this pass, else None)."""
+    when it was loaded for this pass, else None). ``recompute_old``: see `recomputes_old`."""
     models: dict[str, torch.nn.Module] = {}
-    if spec.update.old_logprobs == "recompute":
+    if recompute_old:
         models["old"] = policy
     reference = None
     if spec.update.kl_loss_coef > 0:
@@ -220,8 +240,8 @@ class UpdateInputs:
         picks = token_positions(offsets, np.searchsorted(indices, mine))
         token_values = {name: values[picks] for name, values in shared.items()}
         rows = self.reader.read(mine)
-        if uses_rollout_logprobs(self.spec):
-            token_values["rollout"] = rows.flat_rollout_logprobs()
+        if uses_rollout_logprobs(self.spec):  # a sample without them (logged data) has the recomputed ones
+            token_values["rollout"] = rows.flat_rollout_logprobs(fill=token_values.get("old"))
         if self.spec.update.old_logprobs == "rollout":  # (UpdateConfig rejects rollout_is_cap with rollout old)
             token_values["old"] = token_values.pop("rollout")
         return RankShare(rows=rows, packs_plan=packs_plan, token_values=token_values)

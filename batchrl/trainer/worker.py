@@ -59,7 +59,7 @@ from batchrl.trainer.index import (
     scan_part,
 )
 from batchrl.trainer.integrity import TrainerStateError, check_digests, write_error
-from batchrl.trainer.logprobs import UpdateInputs, pre_update_pass, uses_rollout_logprobs
+from batchrl.trainer.logprobs import UpdateInputs, pre_update_pass, recomputes_old, uses_rollout_logprobs
 from batchrl.trainer.progress_file import ProgressWriter
 from batchrl.trainer.rows import RowReader
 from batchrl.trainer.spec import UpdateSpec
@@ -223,6 +223,7 @@ def update(
         model, optimizer, tokenizer, start_step = build_trainer(spec, ctx=ctx)
     kept = None
     check_token_ids(scans, vocab_size=model.get_input_embeddings().num_embeddings)
+    missing_logprobs = sum(scan.missing_logprobs for scan in scans)
     check_attention(model, share_prompt=spec.update.share_prompt)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reader = RowReader(index, with_rollout_logprobs=uses_rollout_logprobs(spec))
@@ -233,7 +234,14 @@ def update(
     logprob_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{ctx.rank}-") as scratch:
         spilled = pre_update_pass(
-            model, index, reader, spec=spec, ctx=ctx, pad_token_id=pad_token_id, scratch_dir=scratch
+            model,
+            index,
+            reader,
+            spec=spec,
+            ctx=ctx,
+            pad_token_id=pad_token_id,
+            scratch_dir=scratch,
+            recompute_old=recomputes_old(spec, missing_rollout_logprobs=missing_logprobs),
         )
         train_start = time.perf_counter()
         try:

@@ -6,13 +6,10 @@ run with exit 3 naming the stage and the column. Tiny runs: HF engine, 8 prompts
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
-from harness import REPO, cli, cli_ok, read_manifest, read_metrics, read_rows, start_cli
+from harness import REPO, cli, cli_ok, kill_run_when, read_manifest, read_metrics, read_rows, start_cli
 
 from batchrl.tracking import run_tables
 
@@ -146,12 +143,7 @@ def test_a_run_killed_inside_a_user_stage_resumes_to_the_rows_and_weights_of_an_
         env={PAUSE_ENV: str(pause)},
         path_first=[probe_dir, REPO],
     )
-    deadline = time.monotonic() + 600
-    while not (pause / "reached").exists():
-        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.1)
-    os.killpg(process.pid, signal.SIGKILL)  # the driver and everything it started, a shard of probe in flight
-    process.wait()
+    kill_run_when(pause / "reached", process, log=tmp_path / "killed.log")  # a shard of probe in flight
     probe_dir_killed = tmp_path / "runs" / "killed" / "iter_0000" / "probe"
     assert not (probe_dir_killed / "_MANIFEST.json").exists()
     (pause / "go").write_text("")

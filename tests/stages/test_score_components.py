@@ -277,3 +277,35 @@ def test_texts_longer_than_max_length_keep_their_last_tokens_and_are_counted(rew
     expected = direct_logits(reward_model_dir, [tokenizer.decode(ids)])[0]
     assert counts["reward_model_truncated"] == 1
     assert column(out, "reward_values")[0][0][1] == pytest.approx(expected, abs=1e-5)
+
+
+def test_logged_rewards_are_kept_and_only_the_samples_without_one_are_scored(reward_model_dir):
+    """Training on logged data: a logged reward is the sample's score (component 'logged'); the rule reward and the
+    reward model run on the other samples only, which a reward model that saw the logged ones would not match."""
+    table = rollouts(RM_GROUPS)
+    logged = [[None, 3.0, None, -1.0], [5.0, 5.0, 5.0, 5.0]]
+    table = table.set_column(
+        table.schema.get_field_index("logged_rewards"), "logged_rewards", pa.array(logged, pa.list_(pa.float32()))
+    )
+    out, counts = score(
+        table,
+        terms=[("gsm8k", 1.0)],
+        timeout_s=None,
+        reward_model={"path": reward_model_dir, "batch_size": 3, "weight": 0.5, "device": "cpu"},
+    )
+    assert column(out, "reward_names") == [["gsm8k", "reward_model", "logged"]] * 2
+    texts = [RM_GROUPS[0]["prompt_text"] + RM_GROUPS[0]["responses"][i] for i in (0, 2)]
+    model_S = direct_logits(reward_model_dir, texts)
+    gsm8k_S = np.array([1.0, 0.0])  # "#### 7" is right, "" is not
+    values = column(out, "reward_values")
+    scored = [values[0][0], values[0][2]]
+    np.testing.assert_allclose([v[1] for v in scored], model_S, rtol=1e-4, atol=1e-5)
+    assert [v[0] for v in scored] == list(gsm8k_S) and [v[2] for v in scored] == [None, None]
+    assert values[0][1] == [None, None, 3.0] and values[1] == [[None, None, 5.0]] * 4  # nothing else ran
+    np.testing.assert_allclose(
+        column(out, "scores")[0], [gsm8k_S[0] + 0.5 * model_S[0], 3.0, gsm8k_S[1] + 0.5 * model_S[1], -1.0], rtol=1e-5
+    )
+    assert column(out, "score_errors") == [[None] * 4] * 2
+    assert counts["failed_samples"] == 0 and counts["failed/gsm8k"] == 0 and counts["failed/logged"] == 0
+    assert counts["component_count/reward_model"] == 2 and counts["component_count/logged"] == 6
+    assert score_stats(counts)["critic/rewards/logged/mean"] == pytest.approx((3.0 - 1.0 + 20.0) / 6)

@@ -24,6 +24,8 @@ def prompts_part(prompt_ids: list[str]) -> pa.Table:
     for f in schema:
         if f.name == "prompt_id":
             columns[f.name] = prompt_ids
+        elif f.name.startswith("logged_"):  # training on logged data only
+            columns[f.name] = pa.nulls(len(prompt_ids), f.type)
         elif pa.types.is_list(f.type):
             columns[f.name] = [[1, 2]] * len(prompt_ids)
         elif pa.types.is_string(f.type):
