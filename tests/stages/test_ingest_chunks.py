@@ -265,3 +265,56 @@ def test_the_duplicates_pass_on_ray_actors_finds_what_the_driver_finds_over_many
     finally:
         for worker in workers:
             ray.kill(worker)
+
+
+def test_logged_responses_from_parquet_and_gzipped_jsonl_on_s3(tmp_path, tokenizer_dir, s3_bucket, monkeypatch):
+    """Logs on object storage: the logged fields of Parquet and JSON Lines (.gz) rows reach the prompts table,
+    and a log row without a response is rejected with its file and row. The chunks run in this process, the one
+    that holds the test S3's credentials."""
+    import gzip
+
+    monkeypatch.setattr(ingest_module.ChunkedIngest, "_in_driver", lambda self, num_chunks, rows: True)
+
+    from batchrl.storage import write_bytes_atomic
+
+    # a list of responses (a group) in one row, one response in another (pyarrow takes the columns from the first)
+    logged = [
+        prompt(0, responses=["1", "2"], rewards=[1.0, 0.0], response=None, reward=None),
+        prompt(1, response="2", reward=1.0),
+    ]
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(logged), buffer)
+    write_bytes_atomic(f"s3://{s3_bucket}/logs/a.parquet", buffer.getvalue().to_pybytes())
+    lines = [json.dumps(prompt(2, responses=["3"], rewards=[1.0])), json.dumps(prompt(3))]
+    write_bytes_atomic(f"s3://{s3_bucket}/logs/b.jsonl.gz", gzip.compress("\n".join(lines).encode()))
+    cfg = validate_dict(
+        {
+            "name": "t",
+            "model": {"path": tokenizer_dir},
+            "data": {"train_files": [f"s3://{s3_bucket}/logs"]},
+            "generate": {"logged": "all"},
+        }
+    )
+    layout = RunLayout.for_run(f"s3://{s3_bucket}/runs-logged", "t")
+    ctx = StageContext(
+        cfg=cfg,
+        layout=layout,
+        iteration=None,
+        output_dir=layout.table_dir("prompts", None),
+        fingerprint="x",
+        inputs={},
+        input_dirs={},
+        policy_in=tokenizer_dir,
+        embedded_ray=True,
+    )
+    out = IngestStage().run(ctx)
+    rows = table_rows(ctx, out)
+    assert [(r["prompt_id"], r["logged_responses"], r["logged_rewards"]) for r in rows] == [
+        ("p0", ["1", "2"], [1.0, 0.0]),
+        ("p1", ["2"], [1.0]),
+        ("p2", ["3"], [1.0]),
+    ]
+    # a JSON Lines row is numbered by its byte offset in the (uncompressed) file
+    assert [(f, row, reason) for f, row, reason, _ in rejects(ctx, out)] == [
+        ("b.jsonl.gz", len(lines[0]) + 1, "missing_responses")
+    ]
