@@ -333,12 +333,15 @@ class ScoreConfig(_Strict):
 
 
 class AdvantageConfig(_Strict):
-    estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "grpo_passk"] = Field(
+    estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "gae"] = Field(
         "grpo",
         description="grpo: (r - mean)/(std + eps) within the group; drgrpo: r - mean; rloo: leave-one-out "
         "baseline; reinforce_pp_baseline: r - group mean, whitened over the whole batch; grpo_passk: the analytical "
-        "pass@k advantage for binary rewards (Chen et al. 2025), set passk_k.",
+        "pass@k advantage for binary rewards (Chen et al. 2025), set passk_k; gae: PPO with a critic, per-token "
+        "GAE over the critic's values (gamma, lam), whitened over the batch; needs the critic section.",
     )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per token (estimator gae; verl's default 1.0).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (estimator gae; verl's default 1.0).")
     epsilon: float = Field(1e-6, gt=0, description="Added to the group std (grpo, grpo_passk; verl's default 1e-6).")
     passk_k: int | None = Field(None, ge=1, description="k of grpo_passk (<= num_samples_per_prompt).")
     filter_groups: bool = Field(
@@ -383,11 +386,53 @@ class AdvantageConfig(_Strict):
             raise ValueError("advantage.estimator=grpo_passk needs advantage.passk_k (e.g. 4)")
         if self.estimator != "grpo_passk" and self.passk_k is not None:
             raise ValueError(f"advantage.passk_k is only used by estimator grpo_passk, not {self.estimator}; remove it")
-        if self.estimator == "reinforce_pp_baseline" and self.whiten:
+        if self.estimator in ("reinforce_pp_baseline", "gae") and self.whiten:
+            raise ValueError(f"advantage.estimator={self.estimator} already whitens the batch; remove advantage.whiten")
+        if self.estimator != "gae" and ("gamma" in self.model_fields_set or "lam" in self.model_fields_set):
+            raise ValueError(f"advantage.gamma and advantage.lam are used by estimator gae only, not {self.estimator}")
+        if self.estimator == "gae" and self.filter_groups:
             raise ValueError(
-                "advantage.estimator=reinforce_pp_baseline already whitens the batch; remove advantage.whiten"
+                "advantage.filter_groups drops groups for the group-relative estimators; with estimator gae every "
+                "sample has the critic's baseline. Remove advantage.filter_groups"
             )
         return self
+
+
+class CriticConfig(_Strict):
+    """PPO's value model: per-token values of every rollout (the values stage), trained in the update's ranks."""
+
+    model_path: str | None = Field(
+        None,
+        description="Checkpoint the critic starts from at the first iteration: an HF token-classification "
+        "checkpoint with one label (a critic saved by batchrl), or a causal LM whose body gets a fresh scalar value "
+        "head (seeded by run.seed). Default: the initial policy (model.path, or run.init_from's policy, whose "
+        "critic/ is continued when it has one).",
+    )
+    lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate (constant; verl's PPO example: 1e-5).")
+    weight_decay: float = Field(0.0, ge=0, description="Critic AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Critic gradient-norm clip.")
+    cliprange_value: float = Field(
+        0.5, gt=0, description="Value clip: a prediction moves at most this far from the rollout's value (verl 0.5)."
+    )
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="How per-token value losses are aggregated (as update.loss_agg_mode)."
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Critic passes over the advantages table per iteration.")
+    micro_batch_size: int = Field(
+        8, ge=1, description="Samples per critic forward/backward when max_tokens_per_micro_batch is unset."
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Token budget of one critic micro-batch (overrides micro_batch_size)."
+    )
+    warmup_iterations: int = Field(
+        0,
+        ge=0,
+        description="First iterations in which the critic trains and the actor does not (the policy is carried "
+        "forward unchanged), so that the values settle before they steer the policy.",
+    )
+    num_actors: int = Field(1, ge=1, description="Actors of the values stage (each loads the critic once).")
+    cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per values actor.")
+    gpus_per_actor: float = Field(0.0, ge=0, description="GPUs reserved per values actor (> 0 runs it on CUDA).")
 
 
 class UpdateConfig(_Strict):
@@ -663,8 +708,8 @@ class TrackingConfig(_Strict):
 
 
 RESERVED_STAGE_NAMES = frozenset(
-    {"ingest", "generate", "score", "advantage", "update", "evaluate"}
-    | {"prompts", "prompt_rejects", "rollouts", "scores", "advantages", "evaluations", "policy"}
+    {"ingest", "generate", "score", "values", "advantage", "update", "evaluate"}
+    | {"prompts", "prompt_rejects", "rollouts", "scores", "advantages", "evaluations", "policy", "critic"}
 )
 
 
@@ -745,6 +790,11 @@ class PipelineConfig(_Strict):
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="Reward scoring.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage estimation.")
     update: UpdateConfig = Field(default_factory=UpdateConfig, description="Policy update (FSDP2).")
+    critic: CriticConfig | None = Field(
+        None,
+        description="PPO's value model (advantage.estimator: gae): the values stage computes its per-token values "
+        "of each rollout, and it trains in the update's ranks after the actor. None = no critic.",
+    )
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray (embedded or cluster).")
     evaluate: EvaluateConfig | None = Field(
         None,
@@ -773,7 +823,14 @@ class PipelineConfig(_Strict):
             raise ValueError(
                 f"advantage.passk_k={self.advantage.passk_k} must be <= generate.num_samples_per_prompt={n}"
             )
-        if self.advantage.estimator != "reinforce_pp_baseline" and n < 2:
+        if (self.advantage.estimator == "gae") != (self.critic is not None):
+            raise ValueError(
+                "advantage.estimator=gae needs the critic section (critic: {} for the defaults)"
+                if self.critic is None
+                else f"the critic section is used by advantage.estimator=gae only, not {self.advantage.estimator}; "
+                "set the estimator to gae or remove critic"
+            )
+        if self.advantage.estimator not in ("reinforce_pp_baseline", "gae") and n < 2:
             raise ValueError(
                 f"generate.num_samples_per_prompt={n} must be >= 2 for group-relative advantages "
                 f"(advantage.estimator={self.advantage.estimator}); set it to 2 or more"

@@ -5,4 +5,13 @@ reads: ingest once; then, every iteration, generate (prompts), score (rollouts),
 (advantages), evaluate (the policy that update wrote).
 """
 
-from batchrl.stages import advantage, evaluate, generate, ingest, score, update, user  # noqa: F401  (registers them)
+from batchrl.stages import (  # noqa: F401  (registers them)
+    advantage,
+    evaluate,
+    generate,
+    ingest,
+    score,
+    update,
+    user,
+    values,
+)

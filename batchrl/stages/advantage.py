@@ -135,15 +135,23 @@ class RewardKL:
         self.estimator, self.max_tokens, self.share_prompt = estimator, max_tokens, share_prompt
 
     def __call__(self, groups: ShardGroups) -> np.ndarray:
+        if groups.rewards_PG.size == 0:
+            return np.zeros_like(groups.rewards_PG)
+        kl_flat, offsets_N1 = self.token_kl(groups.table, num_samples=groups.rewards_PG.size)
+        # Per-sample sums; samples keep explode_groups' row-major [P, n] order, and empty responses sum to 0.
+        summed_N = np.diff(np.concatenate([[0.0], np.cumsum(kl_flat)])[offsets_N1])
+        return summed_N.reshape(groups.rewards_PG.shape)
+
+    def token_kl(self, table: pa.Table, *, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """(per-token KL of every response token of a group table's samples, row-major, flat float64; the offsets
+        of each sample's tokens in it)."""
         import torch
 
         from batchrl.algorithms.kl import kl_penalty
         from batchrl.trainer.data import samples_from_table
         from batchrl.trainer.reference import response_logprobs
 
-        if groups.rewards_PG.size == 0:
-            return np.zeros_like(groups.rewards_PG)
-        samples = samples_from_table(explode_groups(groups.table, np.zeros_like(groups.rewards_PG)))
+        samples = samples_from_table(explode_groups(table, np.zeros(num_samples)))
         behaviour = samples.flat_rollout_logprobs()
         if len(behaviour) != int(samples.response_offsets_N1[-1]):
             raise DataError(
@@ -165,9 +173,7 @@ class RewardKL:
             .double()
             .numpy()
         )
-        # Per-sample sums; samples keep explode_groups' row-major [P, n] order, and empty responses sum to 0.
-        summed_N = np.diff(np.concatenate([[0.0], np.cumsum(kl_flat)])[samples.response_offsets_N1])
-        return summed_N.reshape(groups.rewards_PG.shape)
+        return kl_flat, samples.response_offsets_N1
 
 
 def kl_penalized(groups: ShardGroups, reward_kl: RewardKL | None, coef: float) -> tuple[ShardGroups, np.ndarray | None]:
@@ -193,7 +199,108 @@ def raw_advantages(groups: ShardGroups, cfg: AdvantageConfig) -> np.ndarray:
 
 
 def needs_batch_moments(cfg: AdvantageConfig) -> bool:
-    return cfg.whiten or cfg.estimator == "reinforce_pp_baseline"
+    return cfg.whiten or cfg.estimator in ("reinforce_pp_baseline", "gae")
+
+
+@dataclasses.dataclass(frozen=True)
+class GaeShard:
+    """GAE over one shard's samples (row-major: groups as in the shard, samples as in their group), [N, T] arrays
+    with T the longest response; advantages not yet whitened."""
+
+    table: pa.Table
+    mask_NT: np.ndarray
+    values_NT: np.ndarray
+    advantages_NT: np.ndarray
+    returns_NT: np.ndarray
+    reward_kl_N: np.ndarray | None  # summed per-token KL of each sample, with KL in the reward
+
+    @property
+    def lengths_N(self) -> np.ndarray:
+        return self.mask_NT.sum(axis=1)
+
+
+def gae_shard(table: pa.Table, cfg: AdvantageConfig, reward_kl: RewardKL | None) -> GaeShard:
+    """Token-level rewards (the score on the last response token, minus coef x KL on every token with KL in the
+    reward), then GAE over the critic's values (the table's ``values`` column, from the values stage)."""
+    from batchrl.algorithms.gae import gae_advantages_and_returns, token_level_rewards
+
+    if "values" not in table.column_names:
+        raise DataError("advantage.estimator gae reads the critic's values, and the input table has none")
+    scores_N = np.asarray(pc.list_flatten(table.column("scores")).to_numpy(zero_copy_only=False), dtype=np.float64)
+    if not np.all(np.isfinite(scores_N)):
+        raise DataError("advantage.estimator gae: a score is not finite (NaN or inf)")
+    lengths_N = pc.list_value_length(pc.list_flatten(table.column("response_token_ids"))).to_numpy(zero_copy_only=False)
+    values = [v for group in table.column("values").to_pylist() for v in group]
+    num_tokens = int(max(1, lengths_N.max(initial=0)))
+    mask_NT = np.arange(num_tokens)[None, :] < lengths_N[:, None]
+    values_NT = np.zeros(mask_NT.shape)
+    for i, sample_values in enumerate(values):
+        if len(sample_values) != lengths_N[i]:
+            raise DataError(
+                f"the values table has {len(sample_values)} values for a response of {lengths_N[i]} tokens; redo the "
+                "values stage (--from-stage values)"
+            )
+        values_NT[i, : lengths_N[i]] = sample_values
+    kl_NT, reward_kl_N = None, None
+    if reward_kl is not None and len(scores_N):
+        kl_flat, offsets_N1 = reward_kl.token_kl(table, num_samples=len(scores_N))
+        kl_NT = np.zeros(mask_NT.shape)
+        kl_NT[mask_NT] = kl_flat  # row-major: sample i's tokens in order, as the flat layout
+        reward_kl_N = np.diff(np.concatenate([[0.0], np.cumsum(kl_flat)])[offsets_N1])
+    rewards_NT = token_level_rewards(
+        scores_N, lengths_N, num_tokens=num_tokens, kl_NT=kl_NT, kl_coef=cfg.kl_in_reward_coef
+    )
+    advantages_NT, returns_NT = gae_advantages_and_returns(rewards_NT, values_NT, mask_NT, gamma=cfg.gamma, lam=cfg.lam)
+    return GaeShard(table, mask_NT, values_NT, advantages_NT, returns_NT, reward_kl_N)
+
+
+def gae_output(shard: GaeShard, moments: BatchMoments, *, eps: float) -> tuple[pa.Table, dict[str, float]]:
+    """One row per sample with the whitened per-token advantages, the values and the returns (the critic's
+    targets: not whitened); ``advantage`` is the first token's. Counts: the sums the stage's metrics need."""
+    mask_NT = shard.mask_NT
+    whitened_NT = whiten(shard.advantages_NT, eps=eps, weights=mask_NT.astype(np.float64), moments=moments)
+    lengths_N = mask_NT.sum(axis=1)
+    first_N = np.where(lengths_N > 0, whitened_NT[:, 0], 0.0)
+    out = explode_groups(shard.table, first_N, reward_kl_PG=shard.reward_kl_N)
+
+    def per_sample(array_NT: np.ndarray) -> pa.Array:
+        return pa.array([row[:n].tolist() for row, n in zip(array_NT, lengths_N)], pa.list_(pa.float32()))
+
+    out = out.append_column("token_advantages", per_sample(whitened_NT))
+    out = out.append_column("values", per_sample(shard.values_NT))
+    out = out.append_column("returns", per_sample(shard.returns_NT))
+    returns_M, values_M = shard.returns_NT[mask_NT], shard.values_NT[mask_NT]
+    residual_M = returns_M - values_M
+    counts = {
+        "gae_tokens": float(mask_NT.sum()),
+        "gae_advantage_sum": float(whitened_NT[mask_NT].sum()),
+        "gae_value_sum": float(values_M.sum()),
+        "gae_return_sum": float(returns_M.sum()),
+        "gae_return_sq_sum": float((returns_M**2).sum()),
+        "gae_residual_sum": float(residual_M.sum()),
+        "gae_residual_sq_sum": float((residual_M**2).sum()),
+    }
+    return out, counts
+
+
+def gae_stats(counts: dict[str, float]) -> dict[str, float]:
+    """verl's critic data metrics from the shards' summed counts: the token means of the advantages, returns and
+    values, and the explained variance 1 - Var(R - V) / (Var(R) + 1e-5) (unbiased variances over the tokens)."""
+    n = counts.get("gae_tokens", 0.0)
+    if not n:
+        return {}
+
+    def unbiased_var(total: float, squares: float) -> float:
+        return (squares - total * total / n) / (n - 1) if n > 1 else float("nan")
+
+    var_returns = unbiased_var(counts["gae_return_sum"], counts["gae_return_sq_sum"])
+    var_residual = unbiased_var(counts["gae_residual_sum"], counts["gae_residual_sq_sum"])
+    return {
+        "critic/advantages/mean": counts["gae_advantage_sum"] / n,
+        "critic/returns/mean": counts["gae_return_sum"] / n,
+        "critic/values/mean": counts["gae_value_sum"] / n,
+        "critic/vf_explained_var": 1.0 - var_residual / (var_returns + 1e-5),
+    }
 
 
 class AdvantageWorker(ShardWorker):
@@ -208,6 +315,8 @@ class AdvantageWorker(ShardWorker):
         self.reward_kl = reward_kl_for(self.cfg, reference_path)
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        if self.cfg.estimator == "gae":
+            return self._process_gae(table)
         pieces, filtered, kl_token_mean_sum = [], 0, 0.0
         for piece in by_group_size(table):
             groups = shard_groups(piece, filter_groups=self.cfg.filter_groups)
@@ -225,6 +334,16 @@ class AdvantageWorker(ShardWorker):
         counts = summarize_advantages(out) | {"groups_filtered": filtered, "logprobs_missing": missing_logprobs(out)}
         if self.reward_kl is not None:
             counts["reward_kl_token_mean_sum"] = kl_token_mean_sum
+        return out, counts
+
+    def _process_gae(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        shard = gae_shard(table, self.cfg, self.reward_kl)
+        out, gae_counts = gae_output(shard, self.moments, eps=self.cfg.whiten_epsilon)
+        counts = (
+            summarize_advantages(out) | gae_counts | {"groups_filtered": 0, "logprobs_missing": missing_logprobs(out)}
+        )
+        if shard.reward_kl_N is not None:
+            counts["reward_kl_token_mean_sum"] = float((shard.reward_kl_N / np.maximum(shard.lengths_N, 1.0)).sum())
         return out, counts
 
 
@@ -316,10 +435,19 @@ class MomentsWorker:
         self.reward_kl = reward_kl_for(self.cfg, reference_path)  # the same penalised rewards the second pass sees
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        gae = self.cfg.estimator == "gae"
         columns = None if self.reward_kl is not None else ["scores", "response_lengths"]
+        if gae and self.reward_kl is None:
+            columns = ["scores", "response_token_ids", "values"]
         out: dict[str, list] = {"name": [], "moments_json": []}
         for uri, name in zip(batch["input_uri"], batch["name"]):
             table = read_parquet(str(uri), columns=columns)
+            if gae:  # the GAE advantages of the shard's response tokens, each token counting once
+                shard = gae_shard(table, self.cfg, self.reward_kl)
+                moments = batch_moments(shard.advantages_NT, weights=shard.mask_NT.astype(np.float64))
+                out["name"].append(str(name))
+                out["moments_json"].append(json.dumps(dataclasses.asdict(moments)))
+                continue
             moments = None
             for piece in by_group_size(table):
                 groups = shard_groups(piece, filter_groups=self.cfg.filter_groups)
@@ -425,6 +553,8 @@ class AdvantageStage(Stage):
             if n
             else {}
         )
+        if a.estimator == "gae":
+            stats |= gae_stats(counts)
         if a.kl_in_reward_coef > 0 and n:
             stats["actor/reward_kl_penalty"] = counts["reward_kl_token_mean_sum"] / n
             stats["actor/reward_kl_penalty_coeff"] = a.kl_in_reward_coef
@@ -435,6 +565,6 @@ class AdvantageStage(Stage):
             )
         return StageOutput(
             parts=parts,
-            counts={k: int(v) for k, v in counts.items() if not k.startswith(("advantage", "reward_kl"))},
+            counts={k: int(v) for k, v in counts.items() if not k.startswith(("advantage", "reward_kl", "gae_"))},
             stats=stats,
         )

@@ -97,7 +97,7 @@ class UpdateStage(Stage):
             "schedule_iterations": _schedule_iterations(cfg),
             "norm_length": _norm_length(cfg),
             "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None,
-        }
+        } | ({"critic": critic_fingerprint(cfg)} if cfg.critic is not None else {})
 
     def run(self, ctx: StageContext) -> StageOutput:
         from batchrl.trainer import shutdown_trainers
@@ -380,7 +380,15 @@ def _spec(
         trainer_state_sha256=trainer_state_sha256,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_dir=join(out_dir, LOGPROBS_DIR),
+        critic=cfg.critic,
+        train_actor=cfg.critic is None or (ctx.iteration or 0) >= cfg.critic.warmup_iterations,
+        critic_head_seed=cfg.run.seed,
     )
+
+
+def critic_fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
+    """What of the critic section determines the critic an update trains (its values actors do not)."""
+    return cfg.critic.model_dump(exclude={"num_actors", "cpus_per_actor", "gpus_per_actor"}) | {"seed": cfg.run.seed}
 
 
 def _schedule_iterations(cfg: PipelineConfig) -> int | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -39,6 +39,8 @@ class Samples:
     advantages_N: np.ndarray  # float64
     group_N: np.ndarray  # int64, the prompt group number of each sample (0..num_groups-1)
     response_offsets_N1: np.ndarray  # int64 [N + 1], offsets of each response in flat per-token arrays
+    # per-token list columns read besides the tokens (GAE's token_advantages, values, returns), by column name
+    token_lists: dict[str, Sequence[Sequence[float]]] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -69,6 +71,20 @@ class Samples:
         return np.array(
             [len(r) - (len(p) == 0 and len(r) > 0) for p, r in zip(self.prompt_token_ids, self.response_token_ids)],
             dtype=np.int64,
+        )
+
+    def flat_token_list(self, name: str) -> np.ndarray:
+        """A per-token list column (``token_lists``: GAE's token_advantages, values, returns) as one flat float32
+        array, checked against the response lengths (the advantage stage writes one value per response token)."""
+        lengths = np.diff(self.response_offsets_N1)
+        for i, values in enumerate(self.token_lists[name]):
+            if len(values) != lengths[i]:
+                raise ValueError(
+                    f"sample ({self.prompt_ids[i]!r}, {self.sample_idx[i]}) has {len(values)} {name} for "
+                    f"{lengths[i]} response tokens; the advantages table was not written by advantage.estimator=gae"
+                )
+        return np.concatenate(
+            [np.asarray(v, dtype=np.float32) for v in self.token_lists[name]] + [np.zeros(0, np.float32)]
         )
 
     def flat_rollout_logprobs(self, fill: np.ndarray | None = None) -> np.ndarray:
@@ -213,6 +229,8 @@ def collate_packs(
             for name, flat in token_values.items():
                 values_SR[name][s, :num_response] = torch.from_numpy(flat[offset : offset + num_response])
             start, s = end, s + 1
+    if "advantages" in values_SR:  # per-token advantages (GAE) in place of the sample's one
+        advantages_SR = values_SR.pop("advantages")
     advantages_SR.masked_fill_(~response_mask_SR, 0.0)
     for values in values_SR.values():
         values.masked_fill_(~response_mask_SR, 0.0)

@@ -240,6 +240,8 @@ class UpdateInputs:
         picks = token_positions(offsets, np.searchsorted(indices, mine))
         token_values = {name: values[picks] for name, values in shared.items()}
         rows = self.reader.read(mine)
+        if "token_advantages" in rows.token_lists:  # GAE: an advantage per token
+            token_values["advantages"] = rows.flat_token_list("token_advantages")
         if uses_rollout_logprobs(self.spec):  # a sample without them (logged data) has the recomputed ones
             token_values["rollout"] = rows.flat_rollout_logprobs(fill=token_values.get("old"))
         if self.spec.update.old_logprobs == "rollout":  # (UpdateConfig rejects rollout_is_cap with rollout old)

@@ -25,9 +25,10 @@ LIST_COLUMNS = ("prompt_token_ids", "response_token_ids")
 class RowReader:
     """Reads chosen samples' token lists (and engine log-probs, `with_rollout_logprobs`) from the advantages parts."""
 
-    def __init__(self, index: SampleIndex, *, with_rollout_logprobs: bool):
+    def __init__(self, index: SampleIndex, *, with_rollout_logprobs: bool, token_columns: Sequence[str] = ()):
         self.index = index
-        self.columns = LIST_COLUMNS + (("response_logprobs",) if with_rollout_logprobs else ())
+        self.token_columns = tuple(token_columns)  # per-token float lists (GAE), in Samples.token_lists
+        self.columns = LIST_COLUMNS + (("response_logprobs",) if with_rollout_logprobs else ()) + self.token_columns
         # first row of each row group, per part (from the footers the index read)
         self._group_starts = [
             np.cumsum([0] + [footer.row_group(g).num_rows for g in range(footer.num_row_groups)])
@@ -56,6 +57,7 @@ class RowReader:
             advantages_N=index.advantages_N[indices],
             group_N=index.group_N[indices],
             response_offsets_N1=response_offsets_N1,
+            token_lists={column: lists[column] for column in self.token_columns},
         )
 
     def _read_part(self, part: int, rows_R: np.ndarray) -> dict[str, list[np.ndarray]]:

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from batchrl.config.models import UpdateConfig
+from batchrl.config.models import CriticConfig, UpdateConfig
 
 DTYPES = ("float32", "bfloat16")
 
@@ -53,6 +53,11 @@ class UpdateSpec:
     # local dir for the per-sample old/reference log-probs table: each rank writes part-<rank>.parquet
     logprobs_dir: str | None = None
     progress_path: str | None = None  # local JSON-lines file rank 0 appends progress to (see progress_file)
+    # PPO with a critic (advantage.estimator gae): the advantages table has per-token advantages, values, returns
+    # The critic is built from `critic.critic_source(policy_in, critic.model_path)` and saved to policy_out/critic/
+    critic: CriticConfig | None = None
+    train_actor: bool = True  # False during critic.warmup_iterations: the policy is saved as it was loaded
+    critic_head_seed: int = 0  # seeds a fresh value head (run.seed: the values stage draws the same one)
 
     def __post_init__(self) -> None:
         # Checks of the fields the config does not have; UpdateConfig has validated its own.
@@ -67,6 +72,8 @@ class UpdateSpec:
             raise ValueError(
                 "update.kl_loss_coef > 0 needs UpdateSpec.reference_policy (the frozen reference checkpoint)"
             )
+        if not self.train_actor and self.critic is None:
+            raise ValueError("UpdateSpec.train_actor=False (a critic warm-up) needs a critic")
         if self.update.loss_agg_mode == "seq-mean-token-sum-norm" and self.update.loss_agg_norm_length is None:
             raise ValueError(
                 "update.loss_agg_mode='seq-mean-token-sum-norm' needs update.loss_agg_norm_length in the "
@@ -84,6 +91,7 @@ class UpdateSpec:
     def to_json(self, path: str | os.PathLike) -> None:
         fields_by_name = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields_by_name["update"] = self._update_dump()
+        fields_by_name["critic"] = None if self.critic is None else self.critic.model_dump(mode="json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(fields_by_name, f, indent=2, sort_keys=True)
 
@@ -95,6 +103,8 @@ class UpdateSpec:
         if unknown:
             raise ValueError(f"{path}: unknown UpdateSpec fields {sorted(unknown)}; remove them")
         fields_by_name["update"] = UpdateConfig.model_validate(fields_by_name.get("update", {}))
+        if fields_by_name.get("critic") is not None:
+            fields_by_name["critic"] = CriticConfig.model_validate(fields_by_name["critic"])
         return cls(**fields_by_name)
 
 

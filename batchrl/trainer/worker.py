@@ -46,7 +46,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from batchrl.trainer.checkpoint import load_trainer_state, save_policy, save_trainer_state, write_json_atomic
+from batchrl.trainer.checkpoint import (
+    TRAINER_STATE_FILE,
+    load_trainer_state,
+    save_policy,
+    save_trainer_state,
+    write_json_atomic,
+)
+from batchrl.trainer.critic import TOKEN_COLUMNS, update_critic
 from batchrl.trainer.forward import check_attention
 from batchrl.trainer.fsdp import Dist, init_distributed, load_model, set_dropout_free_mode, shard_model
 from batchrl.trainer.index import (
@@ -183,15 +190,21 @@ def build_trainer(spec: UpdateSpec, *, ctx: Dist) -> tuple[torch.nn.Module, torc
     # Built before any forward: only then does model.parameters() yield the sharded DTensors for every module.
     optimizer = new_optimizer(model, spec)
     start_step = 0
-    if spec.trainer_state_in is not None:
+    if has_actor_state(spec):
         start_step = load_trainer_state(model, optimizer, in_dir=spec.trainer_state_in)
     return model, optimizer, tokenizer, start_step
+
+
+def has_actor_state(spec: UpdateSpec) -> bool:
+    """Whether spec.trainer_state_in holds the actor's optimizer state: a critic warm-up saves only the critic's
+    (the actor took no step), and the actor then starts from fresh moments, as it would have without a warm-up."""
+    return spec.trainer_state_in is not None and (Path(spec.trainer_state_in) / TRAINER_STATE_FILE).is_file()
 
 
 def reuse_trainer(kept: Resident, spec: UpdateSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, int]:
     """What `kept` holds, as build_trainer would load it: without a trainer_state_in a fresh process starts Adam
     from zero moments at step 0, so the optimizer is replaced by a new one."""
-    if spec.trainer_state_in is not None:
+    if has_actor_state(spec):
         return kept.model, kept.optimizer, kept.tokenizer, kept.global_step
     kept.model.reshard()  # the new optimizer must hold the sharded parameters, as in build_trainer
     return kept.model, new_optimizer(kept.model, spec), kept.tokenizer, 0
@@ -226,46 +239,58 @@ def update(
     missing_logprobs = sum(scan.missing_logprobs for scan in scans)
     check_attention(model, share_prompt=spec.update.share_prompt)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    reader = RowReader(index, with_rollout_logprobs=uses_rollout_logprobs(spec))
+    reader = RowReader(
+        index,
+        with_rollout_logprobs=uses_rollout_logprobs(spec) and spec.train_actor,
+        token_columns=TOKEN_COLUMNS if spec.critic is not None else (),
+    )
     load_time = time.perf_counter() - start
 
     progress = ProgressWriter(spec.progress_path if ctx.rank == 0 else None)
-    progress.write({"phase": "logprobs"})
     logprob_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{ctx.rank}-") as scratch:
-        spilled = pre_update_pass(
-            model,
-            index,
-            reader,
-            spec=spec,
-            ctx=ctx,
-            pad_token_id=pad_token_id,
-            scratch_dir=scratch,
-            recompute_old=recomputes_old(spec, missing_rollout_logprobs=missing_logprobs),
-        )
-        train_start = time.perf_counter()
-        try:
-            step_metrics, global_step = train(
+    step_metrics, global_step, train_start = [], start_step, logprob_start
+    if spec.train_actor:
+        progress.write({"phase": "logprobs"})
+        with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{ctx.rank}-") as scratch:
+            spilled = pre_update_pass(
                 model,
-                optimizer,
-                UpdateInputs(index=index, reader=reader, spilled=spilled, spec=spec),
+                index,
+                reader,
                 spec=spec,
                 ctx=ctx,
                 pad_token_id=pad_token_id,
-                start_step=start_step,
-                progress=progress,
+                scratch_dir=scratch,
+                recompute_old=recomputes_old(spec, missing_rollout_logprobs=missing_logprobs),
             )
-        finally:
-            spilled.close()
+            train_start = time.perf_counter()
+            try:
+                step_metrics, global_step = train(
+                    model,
+                    optimizer,
+                    UpdateInputs(index=index, reader=reader, spilled=spilled, spec=spec),
+                    spec=spec,
+                    ctx=ctx,
+                    pad_token_id=pad_token_id,
+                    start_step=start_step,
+                    progress=progress,
+                )
+            finally:
+                spilled.close()
     train_time = time.perf_counter() - train_start
     progress.write({"phase": "save"})
-    progress.close()
 
     save_start = time.perf_counter()
-    if spec.trainer_state_out is not None:
+    if spec.trainer_state_out is not None and (spec.train_actor or has_actor_state(spec)):
         save_trainer_state(model, optimizer, out_dir=spec.trainer_state_out, global_step=global_step, rank=ctx.rank)
     save_policy(model, tokenizer, policy_out=spec.policy_out, rank=ctx.rank)
     save_time = time.perf_counter() - save_start
+    critic_metrics = {}
+    if spec.critic is not None:
+        progress.write({"phase": "critic"})
+        critic_metrics = update_critic(
+            spec, ctx=ctx, index=index, reader=reader, tokenizer=tokenizer, pad_token_id=pad_token_id
+        )
+    progress.close()
     if keep:
         optimizer.zero_grad(set_to_none=True)  # the next step zeroes them anyway; free the memory meanwhile
         kept = Resident(
@@ -277,9 +302,12 @@ def update(
             policy_files=file_digests(spec.policy_out, ctx=ctx),
             state_files=None if spec.trainer_state_out is None else file_digests(spec.trainer_state_out, ctx=ctx),
         )
-    metrics = summarize(step_metrics, spec=spec, global_step=global_step)
-    metrics |= {
-        "actor/optimizer_state_restored": float(spec.trainer_state_in is not None),
+    if spec.train_actor:
+        metrics = summarize(step_metrics, spec=spec, global_step=global_step)
+    else:  # critic warm-up: the policy is its input
+        metrics = {"actor/warmup": 1.0, "actor/num_optimizer_steps": 0.0, "perf/real_tokens": 0.0}
+    metrics |= critic_metrics | {
+        "actor/optimizer_state_restored": float(has_actor_state(spec)),
         "actor/trainer_reused": float(reused),
         "perf/num_tokens": float(index.loss_tokens_N.sum()),
         "perf/num_samples": float(index.num_samples),

@@ -1,0 +1,164 @@
+"""values: scored rollouts -> the same rows plus the critic's per-token values (PPO with a critic).
+
+The stage exists when the pipeline has a ``critic:`` section (advantage.estimator gae). It reads the table score
+wrote (or the last user stage placed after score) and the iteration's input policy, whose ``critic/`` is the critic
+the previous update trained (at the first iteration: critic.model_path, or the policy with a fresh value head
+seeded by run.seed; `batchrl.trainer.critic.critic_source`). Each actor loads that critic once and adds a
+``values`` column: per sample, V(s_t) before each response token. The advantage stage reads this table in place
+of the scores (`Stage.takes_over`), so GAE runs on rows that carry both the rewards and the values.
+
+Why a stage of its own and not inside advantage (where KL-in-reward loads the reference model):
+- the values are a table one can inspect and resume from, made by the critic that existed when the rollouts were
+  made (the input policy's), so a resumed or repeated advantage computes the same numbers;
+- changing gamma, lam or the estimator's options re-runs advantage alone, not the critic's forward;
+- the critic forward wants its own resources (critic.gpus_per_actor, critic.num_actors), and batch whitening's
+  moments pass reads the values from the table instead of running the critic twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from batchrl.config import PipelineConfig
+from batchrl.pipeline.shards import ShardWorker, run_sharded
+from batchrl.pipeline.stage import POLICY, STAGE_PROVIDERS, ActorNeed, Stage, StageContext, StageOutput
+from batchrl.storage import is_local
+from batchrl.storage.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+MAX_TOKENS_PER_FORWARD = 8192  # padded tokens of one critic forward (a micro-batch; a longer sample goes alone)
+
+
+class ValuesStage(Stage):
+    name = "values"
+    table = "values"
+    schema = "values"
+    inputs: tuple[str, ...] = ("scores", POLICY)  # the first: set to the table it reads by `values_stages`
+    takes_over = "scores"
+    config_section = "critic"
+    timing_name = "values"
+
+    def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
+        # Where the critic comes from after the first iteration is the input policy, already in the chain.
+        return {"critic_model_path": cfg.critic.model_path, "seed": cfg.run.seed}
+
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        return [
+            ActorNeed(
+                cpus=cfg.critic.cpus_per_actor,
+                gpus=cfg.critic.gpus_per_actor,
+                cpus_field="critic.cpus_per_actor",
+                gpus_field="critic.gpus_per_actor",
+            )
+        ]
+
+    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
+        path = cfg.critic.model_path
+        return [("critic.model_path", path)] if path is not None and is_local(path) and "/" in path else []
+
+    def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
+        return dict(manifest.stats)
+
+    def run(self, ctx: StageContext) -> StageOutput:
+        critic = ctx.cfg.critic
+        table = self.inputs[0]
+        parts, counts = run_sharded(
+            input_dir=ctx.input_dirs[table],
+            input_manifest=ctx.inputs[table],
+            output_dir=ctx.output_dir,
+            worker_cls=ValuesWorker,
+            worker_kwargs={
+                "policy": ctx.policy_in,
+                "model_path": critic.model_path,
+                "seed": ctx.cfg.run.seed,
+                "cuda": critic.gpus_per_actor > 0,
+            },
+            concurrency=critic.num_actors,
+            num_cpus=critic.cpus_per_actor,
+            num_gpus=critic.gpus_per_actor,
+            description="values",
+            progress_bars=ctx.cfg.tracking.progress_bars,
+            embedded_ray=ctx.embedded_ray,
+        )
+        tokens = counts.get("value_tokens", 0)
+        stats = {"critic/values_pre_update/mean": counts["value_sum"] / tokens} if tokens else {}
+        return StageOutput(
+            parts=parts, counts={"samples": int(counts.get("samples", 0)), "tokens": int(tokens)}, stats=stats
+        )
+
+
+class ValuesWorker(ShardWorker):
+    """Loads the critic once; adds each shard's per-token values."""
+
+    schema = "values"
+
+    def __init__(self, *, policy: str, model_path: str | None, seed: int, cuda: bool):
+        import torch
+        from transformers import AutoTokenizer
+
+        from batchrl.storage import local_copy
+        from batchrl.trainer.critic import critic_source, load_critic
+
+        local = local_copy(policy)
+        source = critic_source(local, None if model_path is None else local_copy(model_path))
+        self.model = load_critic(source, seed=seed).eval().requires_grad_(False)
+        if cuda:
+            self.model.to(torch.device("cuda"))
+        tokenizer = AutoTokenizer.from_pretrained(local)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        from batchrl.trainer.critic import response_values
+
+        samples = group_samples(table)
+        flat = response_values(self.model, samples, pad_token_id=self.pad_token_id, max_tokens=MAX_TOKENS_PER_FORWARD)
+        offsets = samples.response_offsets_N1
+        per_sample = [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(samples.num_samples)]
+        sizes = [len(group) for group in table.column("response_token_ids").to_pylist()]
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        grouped = [per_sample[starts[row] : starts[row + 1]] for row in range(table.num_rows)]
+        out = table.append_column("values", pa.array(grouped, pa.list_(pa.list_(pa.float32()))))
+        counts = {"samples": samples.num_samples, "value_tokens": float(len(flat)), "value_sum": float(flat.sum())}
+        return out, counts
+
+
+def group_samples(table: pa.Table):
+    """The samples of a table of prompt groups (one row per group, list columns of its samples), row-major, as the
+    trainer's `Samples` (no advantages: zeros)."""
+    from batchrl.trainer.data import Samples
+
+    prompts = table.column("prompt_token_ids").to_pylist()
+    groups = table.column("response_token_ids").to_pylist()
+    ids = table.column("prompt_id").to_pylist()
+    responses = [response for group in groups for response in group]
+    offsets = np.zeros(len(responses) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in responses], out=offsets[1:])
+    return Samples(
+        prompt_ids=[pid for pid, group in zip(ids, groups) for _ in group],
+        sample_idx=[k for group in groups for k in range(len(group))],
+        prompt_token_ids=[prompt for prompt, group in zip(prompts, groups) for _ in group],
+        response_token_ids=responses,
+        rollout_logprobs=[[] for _ in responses],
+        advantages_N=np.zeros(len(responses)),
+        group_N=np.repeat(np.arange(len(groups)), [len(g) for g in groups]).astype(np.int64),
+        response_offsets_N1=offsets,
+    )
+
+
+def values_stages(cfg: PipelineConfig) -> list[type[Stage]]:
+    """The values stage when the pipeline has a critic: it reads the last table after score (a user stage's, or
+    the scores) and takes over the scores for the stages after it. Registered after the user stages (this module's
+    provider is appended after user.py's), so advantage reads the values table (`source_table`: the last)."""
+    if cfg.critic is None:
+        return []
+    after_score = [entry.name for entry in cfg.stages if entry.after == "score"]
+    source = after_score[-1] if after_score else "scores"
+    return [type("ValuesStage", (ValuesStage,), {"inputs": (source, POLICY), "__module__": __name__})]
+
+
+STAGE_PROVIDERS.append(values_stages)
