@@ -225,10 +225,9 @@ def update_critic(spec, *, ctx: Dist, index, reader, tokenizer, pad_token_id: in
     trainer_state_out/critic/, free it. Returns its metrics (the same on every rank)."""
     import gc
 
+    from batchrl.storage import local_copy
     from batchrl.trainer.checkpoint import TRAINER_STATE_FILE, load_trainer_state, save_policy, save_trainer_state
     from batchrl.trainer.fsdp import set_dropout_free_mode, shard_model
-
-    from batchrl.storage import local_copy
 
     critic = spec.critic
     source = critic_source(spec.policy_in, None if critic.model_path is None else local_copy(critic.model_path))
