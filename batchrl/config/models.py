@@ -388,8 +388,6 @@ class AdvantageConfig(_Strict):
             raise ValueError(f"advantage.passk_k is only used by estimator grpo_passk, not {self.estimator}; remove it")
         if self.estimator in ("reinforce_pp_baseline", "gae") and self.whiten:
             raise ValueError(f"advantage.estimator={self.estimator} already whitens the batch; remove advantage.whiten")
-        if self.estimator != "gae" and ("gamma" in self.model_fields_set or "lam" in self.model_fields_set):
-            raise ValueError(f"advantage.gamma and advantage.lam are used by estimator gae only, not {self.estimator}")
         if self.estimator == "gae" and self.filter_groups:
             raise ValueError(
                 "advantage.filter_groups drops groups for the group-relative estimators; with estimator gae every "

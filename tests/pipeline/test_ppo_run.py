@@ -5,14 +5,38 @@ runs: HF engine, gloo update."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import cli_ok, read_manifest, read_metrics, read_rows
+from harness import REPO, cli_ok, kill_run_when, read_manifest, read_metrics, read_rows, start_cli, write_pipeline
 
 pytestmark = pytest.mark.slow
+
+PAUSE_ENV = "BATCHRL_TEST_PPO_PAUSE"
+
+# A user stage after score, so that the values stage reads its table: it pauses at its third shard (iteration 1's
+# first; 2 shards an iteration), counting calls in a file, for the kill test.
+PROBE_SOURCE = """
+import os, time
+from pathlib import Path
+
+import pyarrow as pa
+
+
+def pause_in_iteration_1(table):
+    pause = os.environ.get("{env}")
+    if pause:
+        with open(Path(pause, "calls"), "a") as f:
+            f.write("x")
+        if len(Path(pause, "calls").read_text()) == 3:
+            Path(pause, "reached").write_text("")
+            while not Path(pause, "go").exists():
+                time.sleep(0.1)
+    return table.append_column("probed", pa.array([True] * table.num_rows))
+"""
 
 PPO = {
     "run.iterations": 2,
@@ -21,18 +45,34 @@ PPO = {
     "advantage.lam": 0.95,
     "critic.lr": 1.0e-3,
     "critic.warmup_iterations": 1,
+    "stages": [{"name": "probe", "after": "score", "call": "ppo_probe:pause_in_iteration_1", "outputs": ["probed"]}],
 }
 
 
 @pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory, toy_model_dir, toy_prompts_dir) -> Path:
-    """One two-iteration PPO run the tests of this module share (iteration 0: critic warm-up)."""
-    from harness import write_pipeline
+def probe_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("probe")
+    (directory / "ppo_probe.py").write_text(PROBE_SOURCE.format(env=PAUSE_ENV))
+    return directory
 
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, toy_model_dir, toy_prompts_dir, probe_dir) -> tuple[Path, Path]:
+    """One two-iteration PPO run the tests of this module share (iteration 0: critic warm-up): (its pipeline file,
+    its run directory)."""
     directory = tmp_path_factory.mktemp("ppo")
     path = write_pipeline(directory, PPO, model=toy_model_dir, prompts=toy_prompts_dir)
-    cli_ok("run", path)
-    return directory / "runs" / "tiny"
+    cli_ok("run", path, path_first=[probe_dir, REPO])
+    return path, directory / "runs" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def ppo_run(uninterrupted) -> Path:
+    return uninterrupted[1]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_values_are_per_token_and_advantages_follow_gae(ppo_run):
@@ -83,3 +123,62 @@ def test_warm_up_trains_the_critic_alone_then_both_train(ppo_run, toy_model_dir)
     names = [p["name"] for p in read_manifest(policy1)["trainer_state"]]
     assert any(n.startswith("_trainer_state/critic/") for n in names)
     assert "_trainer_state/trainer_state.json" in names
+
+
+def test_a_run_killed_in_iteration_1_resumes_to_the_values_and_weights_of_an_uninterrupted_one(
+    tmp_path, uninterrupted, probe_dir
+):
+    path, expected = uninterrupted
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    log = tmp_path / "killed.log"
+    process = start_cli(
+        "run", path, "--run-id", "killed", log=log, env={PAUSE_ENV: str(pause)}, path_first=[probe_dir, REPO]
+    )
+    kill_run_when(pause / "reached", process, log=log)  # iteration 1's probe in flight: update 0 is done
+    resumed = expected.parent / "killed"
+    assert (resumed / "iter_0000" / "policy" / "critic" / "model.safetensors").exists()
+    assert not (resumed / "iter_0001" / "values" / "_MANIFEST.json").exists()
+    (pause / "go").write_text("")
+    cli_ok("run", path, "--run-id", "killed", path_first=[probe_dir, REPO])
+    for table in ("values", "advantages"):
+        assert read_rows(resumed / "iter_0001" / table) == read_rows(expected / "iter_0001" / table), table
+    for weights in ("model.safetensors", "critic/model.safetensors"):
+        assert _sha256(resumed / "iter_0001" / "policy" / weights) == _sha256(
+            expected / "iter_0001" / "policy" / weights
+        )
+
+
+def test_a_warm_start_continues_the_critic_of_the_run_it_starts_from(tmp_path, uninterrupted, probe_dir):
+    import torch
+
+    from batchrl.stages.values import group_samples
+    from batchrl.storage import read_parquet
+    from batchrl.trainer.critic import load_critic, response_values
+
+    path, earlier = uninterrupted
+    cli_ok(
+        "run",
+        path,
+        "--run-id",
+        "nightly",
+        "--set",
+        f"run.init_from={earlier}",
+        "--set",
+        "run.iterations=1",
+        "--set",
+        "critic.warmup_iterations=0",
+        "--set",
+        "run.new_files_only=false",
+        path_first=[probe_dir, REPO],
+    )
+    run = earlier.parent / "nightly"
+    critic = load_critic(str(earlier / "iter_0001" / "policy" / "critic"), seed=0).eval()
+    parts = sorted((run / "iter_0000" / "values").glob("part-*.parquet"))
+    for part in parts:
+        table = read_parquet(str(part))
+        with torch.no_grad():
+            flat = response_values(critic, group_samples(table), pad_token_id=0, max_tokens=8192)
+        stored = [v for group in table.column("values").to_pylist() for sample in group for v in sample]
+        np.testing.assert_allclose(stored, flat, rtol=1e-5, atol=1e-6)
+    assert read_metrics(run)[0]["critic/optimizer_state_restored"] == 0.0  # weights carry over, moments do not
