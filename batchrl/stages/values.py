@@ -85,10 +85,9 @@ class ValuesStage(Stage):
             progress_bars=ctx.cfg.tracking.progress_bars,
             embedded_ray=ctx.embedded_ray,
         )
-        tokens = counts.get("value_tokens", 0)
-        stats = {"critic/values_pre_update/mean": counts["value_sum"] / tokens} if tokens else {}
+        # critic/values/mean is the advantage stage's (over the tokens it trains on)
         return StageOutput(
-            parts=parts, counts={"samples": int(counts.get("samples", 0)), "tokens": int(tokens)}, stats=stats
+            parts=parts, counts={"samples": int(counts.get("samples", 0)), "tokens": int(counts.get("value_tokens", 0))}
         )
 
 
@@ -123,7 +122,7 @@ class ValuesWorker(ShardWorker):
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         grouped = [per_sample[starts[row] : starts[row + 1]] for row in range(table.num_rows)]
         out = table.append_column("values", pa.array(grouped, pa.list_(pa.list_(pa.float32()))))
-        counts = {"samples": samples.num_samples, "value_tokens": float(len(flat)), "value_sum": float(flat.sum())}
+        counts = {"samples": samples.num_samples, "value_tokens": float(len(flat))}
         return out, counts
 
 

@@ -120,3 +120,30 @@ def test_run_on_two_nodes_with_a_shared_local_run_directory(tmp_path, pipeline, 
     check_run(str(tmp_path / "runs" / "e2e"))
     assert result.stderr.count("on 2 Ray worker(s)") == ITERATIONS  # the update ran as Ray actors, not refused
     assert not any(p.name.startswith(".batchrl-shared-probe-") for p in tmp_path.rglob("*"))
+
+
+def test_ppo_on_a_ray_cluster_moves_the_critic_and_its_optimizer_state_through_object_storage(
+    pipeline, s3_env, s3_bucket, s3_prompts, ray_cluster
+):
+    path = pipeline(
+        E2E
+        | {
+            "data.train_files": [s3_prompts],
+            "run.root": f"s3://{s3_bucket}/runs",
+            "generate.engine": "hf",
+            "advantage": {"estimator": "gae"},
+            "critic": {"lr": 1.0e-3},
+        }
+    )
+    result = cli_ok("run", path, env={**s3_env, **ray_cluster})
+    assert result.stderr.count("on 2 Ray worker(s)") == ITERATIONS
+    run_dir = f"s3://{s3_bucket}/runs/e2e"
+    second = read_json(f"{run_dir}/iter_0001/metrics.json")
+    assert second["critic/optimizer_state_restored"] == 1.0  # both ranks' critic shards went to S3 and back
+    assert second["critic/num_optimizer_steps"] > 0
+    fs, _ = resolve(f"s3://{s3_bucket}")
+    policy = f"{s3_bucket}/runs/e2e/iter_0001/policy"
+    assert fs.exists(f"{policy}/critic/model.safetensors") and fs.exists(f"{policy}/critic/config.json")
+    assert fs.exists(f"{policy}/_trainer_state/critic/optimizer/__1_0.distcp")
+    manifest = read_json(f"{run_dir}/iter_0001/policy/_MANIFEST.json")
+    assert "critic/model.safetensors" in {part["name"] for part in manifest["parts"]}

@@ -149,7 +149,15 @@ def test_unknown_profile_says_where_it_looked(tmp_path):
         load_pipeline(write(tmp_path, raw))
 
 
-@pytest.mark.parametrize("pipeline", ["pipelines/quickstart.yaml", "pipelines/grpo_math.yaml"])
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        "pipelines/quickstart.yaml",
+        "pipelines/grpo_math.yaml",
+        "pipelines/ppo_quickstart.yaml",
+        "pipelines/ppo_math.yaml",
+    ],
+)
 def test_shipped_pipelines_validate(pipeline):
     cfg = load_pipeline(REPO / pipeline)
     assert cfg.run.iterations >= 2 or cfg.run.epochs >= 2
@@ -161,6 +169,15 @@ def test_grpo_math_is_the_real_qwen_job_on_object_storage():
     assert all(f.startswith("s3://") for f in cfg.data.train_files)
     assert cfg.generate.engine == "vllm" and cfg.update.backend == "nccl"
     assert (cfg.data.prompts_per_iteration, cfg.update.ppo_mini_batch_size) == (1024, 256)  # verl's recipe shape
+
+
+def test_ppo_math_is_verls_ppo_example_shape_on_gpus():
+    cfg = load_pipeline(REPO / "pipelines/ppo_math.yaml")
+    assert cfg.model.path == cfg.critic.model_path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert cfg.advantage.estimator == "gae" and cfg.advantage.kl_in_reward_coef == 0.001
+    assert (cfg.update.lr, cfg.critic.lr) == (1e-6, 1e-5)
+    assert cfg.generate.engine == "vllm" and cfg.update.backend == "nccl"
+    assert (cfg.data.prompts_per_iteration, cfg.update.ppo_mini_batch_size) == (256, 64)
 
 
 def test_validate_prints_the_resolved_config():
