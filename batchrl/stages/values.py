@@ -77,6 +77,7 @@ class ValuesStage(Stage):
                 "model_path": critic.model_path,
                 "seed": ctx.cfg.run.seed,
                 "cuda": critic.gpus_per_actor > 0,
+                "share_prompt": ctx.cfg.update.share_prompt,
             },
             concurrency=critic.num_actors,
             num_cpus=critic.cpus_per_actor,
@@ -96,7 +97,7 @@ class ValuesWorker(ShardWorker):
 
     schema = "values"
 
-    def __init__(self, *, policy: str, model_path: str | None, seed: int, cuda: bool):
+    def __init__(self, *, policy: str, model_path: str | None, seed: int, cuda: bool, share_prompt: bool = False):
         import torch
         from transformers import AutoTokenizer
 
@@ -110,6 +111,7 @@ class ValuesWorker(ShardWorker):
             self.model.to(torch.device("cuda"))
         tokenizer = AutoTokenizer.from_pretrained(local)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.share_prompt = share_prompt
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         from batchrl.trainer.critic import response_values

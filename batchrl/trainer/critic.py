@@ -31,7 +31,7 @@ from batchrl.algorithms.gae import clipped_value_losses
 from batchrl.algorithms.losses import aggregate_token_losses
 from batchrl.trainer.batching import mini_batches
 from batchrl.trainer.data import MicroBatch, Samples, collate_packs, response_logits, scatter_response_values
-from batchrl.trainer.forward import pack_plan
+from batchrl.trainer.forward import model_inputs, pack_plan
 from batchrl.trainer.fsdp import Dist
 
 logger = logging.getLogger(__name__)
@@ -95,23 +95,25 @@ def value_head(model: torch.nn.Module) -> torch.nn.Linear:
 
 def critic_values(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """[S, R] float32: V at the position predicting each response token (0 where masked)."""
-    inputs = dict(input_ids=mb.input_ids_BL, attention_mask=mb.attention_mask)
-    if mb.position_ids_BL is not None:
-        inputs["position_ids"] = mb.position_ids_BL
+    inputs = model_inputs(model, mb)
+    inputs.pop("use_cache")  # token-classification heads take no cache argument
     values_SR = response_logits(model(**inputs).logits.float(), mb)[..., 0]
     return values_SR.masked_fill(~mb.response_mask_SR, 0.0)
 
 
 @torch.no_grad()
-def response_values(model: torch.nn.Module, samples: Samples, *, pad_token_id: int, max_tokens: int) -> np.ndarray:
+def response_values(
+    model: torch.nn.Module, samples: Samples, *, pad_token_id: int, max_tokens: int, share_prompt: bool = False
+) -> np.ndarray:
     """Flat float32 array (samples.response_offsets_N1 layout): the critic's V(s_t) of every response token, in
-    one process (the values stage)."""
+    one process (the values stage). `share_prompt`: a prompt once per row for several of its samples (as
+    update.share_prompt; the same values up to float rounding)."""
     device = next(model.parameters()).device
     out_flat = torch.zeros(int(samples.response_offsets_N1[-1]), dtype=torch.float32)
     if samples.num_samples == 0:
         return out_flat.numpy()
     budget = max(max_tokens, int(samples.lengths_N.max()))
-    plan = pack_plan(samples, range(samples.num_samples), share_prompt=False, world_size=1, max_tokens=budget)
+    plan = pack_plan(samples, range(samples.num_samples), share_prompt=share_prompt, world_size=1, max_tokens=budget)
     for packs in plan[0]:
         if packs:
             mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=device)
@@ -148,12 +150,10 @@ def _critic_step(model, optimizer, index, reader, indices, *, spec, ctx: Dist, p
     num_tokens, num_seqs = int(loss_tokens.sum()), int((loss_tokens > 0).sum())
     if num_tokens == 0:
         return None
-    budget = (
-        {"max_tokens": critic.max_tokens_per_micro_batch}
-        if critic.max_tokens_per_micro_batch is not None
-        else {"max_samples": critic.micro_batch_size}
-    )
-    plan = pack_plan(index, indices, share_prompt=False, world_size=ctx.world_size, **budget)
+    max_tokens = critic.max_tokens_per_micro_batch
+    share_prompt = spec.update.share_prompt and max_tokens is not None
+    budget = {"max_tokens": max_tokens} if max_tokens is not None else {"max_samples": critic.micro_batch_size}
+    plan = pack_plan(index, indices, share_prompt=share_prompt, world_size=ctx.world_size, **budget)
     mine, packs_plan = own_share(plan[ctx.rank])
     rows = reader.read(mine)
     token_values = {name: rows.flat_token_list(name) for name in VALUE_COLUMNS}

@@ -81,6 +81,18 @@ def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, entropy_grad: boo
     The lm_head runs only from the first position a response token needs (`logits_to_keep`, when the model
     takes it): prompt positions before it would be [rows, prompt, vocab] logits computed for nothing.
     """
+    inputs = model_inputs(model, mb)
+    first = first_logit_position(mb) if _takes_logits_to_keep(model) else 0
+    if first > 0:
+        inputs["logits_to_keep"] = mb.input_ids_BL.shape[1] - first
+    logits_SRV = response_logits(model(**inputs).logits, mb, first_position=first)
+    logprobs_SR = token_logprobs(logits_SRV, mb.labels_SR)
+    entropy_SR = entropy_from_logits(logits_SRV if entropy_grad else logits_SRV.detach())
+    return logprobs_SR, entropy_SR
+
+
+def model_inputs(model: torch.nn.Module, mb: MicroBatch) -> dict:
+    """The keyword arguments of a forward over `mb`'s rows (policy or critic): ids, mask, packed positions."""
     attention_mask = mb.attention_mask
     if attention_mask.dim() == 4 and attention_implementation(model) == "eager":
         # eager attention adds the mask to the scores: True/False would add 1/0, not allow/forbid
@@ -90,13 +102,7 @@ def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, entropy_grad: boo
     inputs = dict(input_ids=mb.input_ids_BL, attention_mask=attention_mask, use_cache=False)
     if mb.position_ids_BL is not None:
         inputs["position_ids"] = mb.position_ids_BL
-    first = first_logit_position(mb) if _takes_logits_to_keep(model) else 0
-    if first > 0:
-        inputs["logits_to_keep"] = mb.input_ids_BL.shape[1] - first
-    logits_SRV = response_logits(model(**inputs).logits, mb, first_position=first)
-    logprobs_SR = token_logprobs(logits_SRV, mb.labels_SR)
-    entropy_SR = entropy_from_logits(logits_SRV if entropy_grad else logits_SRV.detach())
-    return logprobs_SR, entropy_SR
+    return inputs
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:

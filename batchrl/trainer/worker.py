@@ -287,9 +287,11 @@ def update(
     critic_metrics = {}
     if spec.critic is not None:
         progress.write({"phase": "critic"})
+        critic_start = time.perf_counter()
         critic_metrics = update_critic(
             spec, ctx=ctx, index=index, reader=reader, tokenizer=tokenizer, pad_token_id=pad_token_id
         )
+        critic_metrics["perf/critic_time_s"] = time.perf_counter() - critic_start  # its load, steps and save
     progress.close()
     if keep:
         optimizer.zero_grad(set_to_none=True)  # the next step zeroes them anyway; free the memory meanwhile
@@ -318,6 +320,7 @@ def update(
         "perf/load_time_s": load_time,
         "perf/save_time_s": save_time,
     }
+
     return (metrics if ctx.rank == 0 else None), kept
 
 

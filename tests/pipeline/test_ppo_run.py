@@ -182,3 +182,17 @@ def test_a_warm_start_continues_the_critic_of_the_run_it_starts_from(tmp_path, u
         stored = [v for group in table.column("values").to_pylist() for sample in group for v in sample]
         np.testing.assert_allclose(stored, flat, rtol=1e-5, atol=1e-6)
     assert read_metrics(run)[0]["critic/optimizer_state_restored"] == 0.0  # weights carry over, moments do not
+
+
+def test_plan_lists_the_values_stage_and_a_forced_values_stage_redoes_the_same_rows_and_weights(
+    tmp_path, uninterrupted, probe_dir
+):
+    path, run = uninterrupted
+    plan = cli_ok("plan", path, path_first=[probe_dir, REPO])
+    assert "iter 1 values" in plan.stdout and plan.stdout.count("skip (complete)") == 1 + 2 * 6
+    expected = read_rows(run / "iter_0001" / "values")
+    critic = _sha256(run / "iter_0001" / "policy" / "critic" / "model.safetensors")
+    forced = cli_ok("run", path, "--from-stage", "values", "--iteration", "1", path_first=[probe_dir, REPO])
+    assert "ran 3 stage(s)" in forced.stdout  # values, advantage and update of iteration 1
+    assert read_rows(run / "iter_0001" / "values") == expected
+    assert _sha256(run / "iter_0001" / "policy" / "critic" / "model.safetensors") == critic

@@ -160,3 +160,15 @@ def test_values_are_read_at_the_position_before_each_response_token(toy_model_di
         direct = model(input_ids=torch.tensor([[1, 2, 5, 6, 7]])).logits[0, :, 0]
     np.testing.assert_allclose(flat[:3], direct[1:4].numpy(), rtol=1e-5, atol=1e-6)  # V before tokens 5, 6, 7
     assert len(flat) == 3 + 1 + 2 + 0
+
+
+def test_values_with_a_shared_prompt_equal_values_without(toy_model_dir):
+    from batchrl.stages.values import group_samples
+    from batchrl.trainer.critic import load_critic, response_values
+
+    model = load_critic(toy_model_dir, seed=3).eval()
+    table = group_table([[(1.0, [5, 6, 7], [0, 0, 0]), (0.0, [9], [0]), (0.0, [9, 8], [0, 0])], [(1.0, [4], [0])]])
+    samples = group_samples(table)
+    alone = response_values(model, samples, pad_token_id=0, max_tokens=64)
+    packed = response_values(model, samples, pad_token_id=0, max_tokens=64, share_prompt=True)
+    np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
