@@ -30,8 +30,8 @@ import torch.distributed as dist
 from batchrl.algorithms.gae import clipped_value_losses
 from batchrl.algorithms.losses import aggregate_token_losses
 from batchrl.trainer.batching import mini_batches
-from batchrl.trainer.data import MicroBatch, Samples, collate_packs, response_logits, scatter_response_values
-from batchrl.trainer.forward import model_inputs, pack_plan
+from batchrl.trainer.data import MicroBatch, Samples, collate_packs, response_logits
+from batchrl.trainer.forward import flat_response_values, model_inputs, pack_plan
 from batchrl.trainer.fsdp import Dist
 
 logger = logging.getLogger(__name__)
@@ -108,17 +108,14 @@ def response_values(
     """Flat float32 array (samples.response_offsets_N1 layout): the critic's V(s_t) of every response token, in
     one process (the values stage). `share_prompt`: a prompt once per row for several of its samples (as
     update.share_prompt; the same values up to float rounding)."""
-    device = next(model.parameters()).device
-    out_flat = torch.zeros(int(samples.response_offsets_N1[-1]), dtype=torch.float32)
-    if samples.num_samples == 0:
-        return out_flat.numpy()
-    budget = max(max_tokens, int(samples.lengths_N.max()))
-    plan = pack_plan(samples, range(samples.num_samples), share_prompt=share_prompt, world_size=1, max_tokens=budget)
-    for packs in plan[0]:
-        if packs:
-            mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=device)
-            scatter_response_values(critic_values(model, mb).cpu(), mb, samples, out_flat=out_flat)
-    return out_flat.numpy()
+    return flat_response_values(
+        samples,
+        lambda mb: critic_values(model, mb),
+        pad_token_id=pad_token_id,
+        max_tokens=max_tokens,
+        share_prompt=share_prompt,
+        device=next(model.parameters()).device,
+    )
 
 
 def train_critic(model, optimizer, index, reader, *, spec, ctx: Dist, pad_token_id: int, start_step: int):

@@ -10,7 +10,7 @@ Right-padded micro-batches instead of verl's padding-free packed sequences (see 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -18,7 +18,13 @@ import torch
 
 from batchrl.algorithms.losses import entropy_from_logits, token_logprobs
 from batchrl.trainer.batching import plan_micro_batches, prompt_packs
-from batchrl.trainer.data import MicroBatch, first_logit_position, response_logits
+from batchrl.trainer.data import (
+    MicroBatch,
+    collate_packs,
+    first_logit_position,
+    response_logits,
+    scatter_response_values,
+)
 
 if TYPE_CHECKING:
     from batchrl.trainer.spec import UpdateSpec
@@ -73,6 +79,30 @@ def pack_plan(
     lengths = [int(samples.prompt_lengths_N[pack[0]] + samples.response_lengths_N[pack].sum()) for pack in packs]
     plan = plan_micro_batches(lengths, world_size=world_size, max_tokens=max_tokens, max_samples=max_samples)
     return [[[packs[j] for j in chunk] for chunk in micro_batches] for micro_batches in plan]
+
+
+def flat_response_values(
+    samples,
+    forward: Callable[[MicroBatch], torch.Tensor],
+    *,
+    pad_token_id: int,
+    max_tokens: int,
+    share_prompt: bool,
+    device: torch.device,
+) -> np.ndarray:
+    """Flat float32 array (samples.response_offsets_N1 layout) of `forward`'s [S, R] value of every response token,
+    over micro-batches of up to `max_tokens` padded tokens (a longer sample goes alone), in one process: the
+    reference log-probs of KL in the reward, the critic's values. `share_prompt`: packs of a prompt's samples."""
+    out_flat = torch.zeros(int(samples.response_offsets_N1[-1]), dtype=torch.float32)
+    if samples.num_samples == 0:
+        return out_flat.numpy()
+    budget = max(max_tokens, int(samples.lengths_N.max()))
+    plan = pack_plan(samples, range(samples.num_samples), share_prompt=share_prompt, world_size=1, max_tokens=budget)
+    for packs in plan[0]:
+        if packs:
+            mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=device)
+            scatter_response_values(forward(mb).cpu(), mb, samples, out_flat=out_flat)
+    return out_flat.numpy()
 
 
 def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:

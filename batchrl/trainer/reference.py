@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchrl.trainer.data import Samples, collate_packs, scatter_response_values
-from batchrl.trainer.forward import pack_plan, policy_logprobs
+from batchrl.trainer.data import Samples
+from batchrl.trainer.forward import flat_response_values, policy_logprobs
 
 
 def load_frozen_model(path: str) -> torch.nn.Module:
@@ -31,15 +31,11 @@ def response_logprobs(
     """Flat float32 array (samples.response_offsets_N1 layout): log p(token) of every response token.
 
     `share_prompt`: a row holds a prompt once, then several of its samples' responses (up to `max_tokens`)."""
-    out_flat = torch.zeros(int(samples.response_offsets_N1[-1]), dtype=torch.float32)
-    if samples.num_samples == 0:
-        return out_flat.numpy()
-    budget = max(max_tokens, int(samples.lengths_N.max()))
-    plan = pack_plan(samples, range(samples.num_samples), share_prompt=share_prompt, world_size=1, max_tokens=budget)
-    for packs in plan[0]:
-        if not packs:
-            continue
-        mb = collate_packs(samples, packs, pad_token_id=pad_token_id, device=torch.device("cpu"))
-        logprobs_SR, _ = policy_logprobs(model, mb, entropy_grad=False)
-        scatter_response_values(logprobs_SR, mb, samples, out_flat=out_flat)
-    return out_flat.numpy()
+    return flat_response_values(
+        samples,
+        lambda mb: policy_logprobs(model, mb, entropy_grad=False)[0],
+        pad_token_id=pad_token_id,
+        max_tokens=max_tokens,
+        share_prompt=share_prompt,
+        device=torch.device("cpu"),
+    )

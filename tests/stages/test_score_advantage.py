@@ -284,9 +284,11 @@ def test_reference_logprobs_equal_one_unbatched_forward_per_sample_with_or_witho
     groups = shard_groups(conform(pa.Table.from_pylist(rows), "scores"), filter_groups=False)
     samples = samples_from_table(explode_groups(groups.table, np.zeros_like(groups.rewards_PG)))
     rows_per_micro_batch = []
-    collate_packs = reference.collate_packs
+    from batchrl.trainer import forward
+
+    collate_packs = forward.collate_packs
     monkeypatch.setattr(
-        reference,
+        forward,
         "collate_packs",
         lambda s, packs, **kw: rows_per_micro_batch.append([len(p) for p in packs]) or collate_packs(s, packs, **kw),
     )
