@@ -56,6 +56,20 @@ class RunConfig(_Strict):
         "init_from run and the runs it warm-started from did not ingest (a file is known by "
         "URI, size and ETag/mtime). false: ingest every file again.",
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Overlapped iterations: 0 runs each iteration's stages strictly after the previous update. "
+        "k >= 1: iteration i generates (and scores) with the policy of iteration i-1-k, so that it runs while "
+        "iteration i-1's update trains; every batch is trained k policy versions after the one that generated "
+        "it (update/policy_lag), with the off-policy correction of update.old_logprobs (recompute: from the "
+        "behaviour policy's checkpoint; rollout: the engine's log-probs).",
+    )
+
+    def behaviour_version(self, iteration: int) -> int:
+        """The policy version that generates iteration ``iteration``'s rollouts: the iteration whose input policy
+        it is (0 = the initial policy), ``iteration`` itself in strict order."""
+        return max(0, iteration - self.max_staleness)
 
     @model_validator(mode="after")
     def _iterations_or_epochs(self) -> RunConfig:

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class PlannedStage:
     input_dirs: dict[str, str]
     policy_in: str
     sharded: bool = False  # output part k is made from input part k alone (resumes shard by shard)
+    behaviour_policy: str | None = None  # the policy that generates this iteration's rollouts (see StageContext)
     status: str = "pending"  # done | damaged | stale | outdated | partial | pending | forced
     manifest: Manifest | None = None  # the committed manifest (done, damaged)
     damaged: list[str] = field(default_factory=list)  # damaged: the parts to redo
@@ -148,14 +150,18 @@ def build_plan(
     table_dirs: dict[str, str] = {}
     table_fps: dict[str, str] = {}
     policy_dir, policy_fp = lineage.initial_policy, lineage.initial_policy_fingerprint
+    policies = {0: (policy_dir, policy_fp)}  # policy version v (iteration v's input policy) -> (dir, fingerprint)
     plan: list[PlannedStage] = []
     for iteration in [None] + list(range(cfg.run.iterations)):
+        behaviour = policies[cfg.run.behaviour_version(iteration)] if iteration is not None else (policy_dir, policy_fp)
         for name, stage in stages.items():
             if iteration not in where[name]:
                 continue
             policy_in, policy_in_fp = policy_dir, policy_fp
             if stage.reads_new_policy and iteration is not None:
                 policy_in, policy_in_fp = table_dirs[POLICY], table_fps[POLICY]
+            elif stage.reads_behaviour_policy:
+                policy_in, policy_in_fp = behaviour
             upstream = [policy_in_fp if t == POLICY else table_fps[source_table(t, name)] for t in stage.inputs]
             config = dict(stage.fingerprint_config(cfg), iteration=iteration)
             if stage.reads_train_files and lineage.skips_seen_files(cfg):
@@ -168,11 +174,13 @@ def build_plan(
                 input_dirs={t: table_dirs[source_table(t, name)] for t in stage.inputs if t != POLICY},
                 policy_in=policy_in,
                 sharded=is_sharded(stage),
+                behaviour_policy=behaviour[0],
             )
             table_dirs[stage.table], table_fps[stage.table] = step.output_dir, step.fingerprint
             plan.append(step)
         if iteration is not None and POLICY in table_dirs:
             policy_dir, policy_fp = table_dirs[POLICY], table_fps[POLICY]
+            policies[iteration + 1] = (policy_dir, policy_fp)
     if check_storage:
         _read_statuses(plan, cfg, lineage=lineage, checksums=verify_checksums, known=known)
     if from_stage is not None:
@@ -377,6 +385,9 @@ class Runner:
         self.embedded_ray = False  # set when the runner starts its own local Ray (see _ray_session)
         self.summary = RunSummary(run_dir=self.layout.run_dir)
         self.trackers = Trackers([])  # opened in run()
+        # run.max_staleness > 0: (the update step in flight, its thread, its outcome), and the iterations recorded
+        self._background: tuple[PlannedStage, threading.Thread, dict] | None = None
+        self._recorded = 0
 
     def _plan(self, **options) -> None:
         self.steps = build_plan(self.cfg, lineage=self.lineage, count_iterations=False, **options)
@@ -425,12 +436,81 @@ class Runner:
         self._count_iterations()
         self.preflight({self.stages[name].table: self.plan[(name, None)].manifest for name in once})
         each = [name for name, stage in self.stages.items() if stage.per_iteration]
-        for iteration in [None] + list(range(self.cfg.run.iterations)):
-            for name in each:
-                if (name, iteration) in self.plan:
-                    self.stage(name, iteration)
-            if iteration is not None:
-                self.record_iteration(iteration)
+        overlap = self.cfg.run.max_staleness > 0
+        try:
+            for iteration in [None] + list(range(self.cfg.run.iterations)):
+                for name in each:
+                    if (name, iteration) not in self.plan:
+                        continue
+                    self._await_inputs(self.plan[(name, iteration)])
+                    if overlap and iteration is not None and self.stages[name].table == POLICY:
+                        self._in_background(name, iteration)
+                    else:
+                        self.stage(name, iteration)
+                    self._record_finished()
+        except BaseException:
+            self._abandon_background()
+            raise
+        self._await_background()
+        self._record_finished()
+
+    def _in_background(self, name: str, iteration: int) -> None:
+        """run.max_staleness > 0: the policy update of ``iteration`` runs in a thread while the main thread goes on
+        with the next iteration's stages that do not read it (generate and score read an older policy). At most one
+        is in flight: the next update reads this one's policy, so it waits for it (`_await_inputs`)."""
+        self._await_background()
+        outcome: dict[str, BaseException] = {}
+
+        def work() -> None:
+            try:
+                self.stage(name, iteration)
+            except BaseException as error:  # re-raised in the main thread by _await_background
+                outcome["error"] = error
+
+        thread = threading.Thread(target=work, name=f"batchrl-{name}-{iteration}", daemon=True)
+        self._background = (self.plan[(name, iteration)], thread, outcome)
+        thread.start()
+
+    def _await_inputs(self, step: PlannedStage) -> None:
+        """Waits for the update in flight when ``step`` reads its table or policy, or writes the same table."""
+        if self._background is None:
+            return
+        running = self._background[0]
+        reads = {step.policy_in, *step.input_dirs.values()}
+        if running.output_dir in reads or self.stages[step.name].table == self.stages[running.name].table:
+            self._await_background()
+
+    def _await_background(self) -> None:
+        if self._background is None:
+            return
+        _, thread, outcome = self._background
+        thread.join()
+        self._background = None
+        if "error" in outcome:
+            raise outcome["error"]
+
+    def _abandon_background(self) -> None:
+        """On an error or interrupt in the main thread: stop the update in flight (its ranks), wait a little for its
+        thread, and leave; what it did not commit is redone on resume, as after a crash."""
+        if self._background is None:
+            return
+        step, thread, _ = self._background
+        self._background = None
+        with deferred():
+            self.stages[step.name].close()
+        thread.join(timeout=30)
+
+    def _record_finished(self) -> None:
+        """Writes the metrics of the iterations whose stages are all done, in order (with overlapped iterations an
+        iteration finishes after the next one's first stages)."""
+        while self._recorded < self.cfg.run.iterations:
+            iteration = self._recorded
+            steps = [step for (name, it), step in self.plan.items() if it == iteration]
+            running = self._background is not None and self._background[0].iteration == iteration
+            if running or any(step.status != "done" for step in steps):
+                return
+            self.record_iteration(iteration)
+            self._recorded += 1
 
     def stage(self, name: str, iteration: int | None = None) -> Manifest | None:
         """Runs one planned stage unless it is done; returns its manifest (None: nothing to read for it)."""
@@ -458,6 +538,7 @@ class Runner:
             input_dirs=step.input_dirs,
             policy_in=step.policy_in,
             embedded_ray=self.embedded_ray,
+            behaviour_policy=step.behaviour_policy,
         )
         logger.info("%s: running%s", step.label, f" (redoing damaged {damaged_names(step)})" if damaged else "")
         started = time.time()

@@ -37,6 +37,9 @@ class StageContext:
     input_dirs: dict[str, str]
     policy_in: str  # policy this iteration starts from: model.path or the previous iteration's policy dir
     embedded_ray: bool = False  # the Ray in use is one the runner started on this machine (not a cluster)
+    # the policy that generated this iteration's rollouts: policy_in in strict order; with run.max_staleness k,
+    # iteration i-1-k's (`RunConfig.behaviour_version`). A stage that reads_behaviour_policy has it as policy_in.
+    behaviour_policy: str | None = None
 
 
 @dataclass
@@ -72,6 +75,9 @@ class Stage:
     per_iteration: ClassVar[bool] = True  # False: runs once, before iteration 0 (ingest)
     # True: at iteration i its POLICY input is the policy iteration i wrote, not the one it started from (evaluate)
     reads_new_policy: ClassVar[bool] = False
+    # True: its POLICY input is the policy that generates the iteration's rollouts (generate, values): with
+    # run.max_staleness k, iteration i-1-k's, so that it can run while iteration i-1's update trains
+    reads_behaviour_policy: ClassVar[bool] = False
     # True: it reads data.train_files, which an incremental run (run.new_files_only) narrows to the new files
     reads_train_files: ClassVar[bool] = False
     # True: a table-writing stage that resumes from its journal (storage.journal): the runner keeps its files when

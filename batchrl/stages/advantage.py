@@ -332,6 +332,7 @@ class AdvantageWorker(ShardWorker):
                 kl_token_mean_sum += float((kl_PG / np.maximum(groups.lengths_PG, 1.0)).sum())
         out = in_shard_order(pieces)
         counts = summarize_advantages(out) | {"groups_filtered": filtered, "logprobs_missing": missing_logprobs(out)}
+        counts |= policy_version_counts(out)
         if self.reward_kl is not None:
             counts["reward_kl_token_mean_sum"] = kl_token_mean_sum
         return out, counts
@@ -345,6 +346,18 @@ class AdvantageWorker(ShardWorker):
         if shard.reward_kl_N is not None:
             counts["reward_kl_token_mean_sum"] = float((shard.reward_kl_N / np.maximum(shard.lengths_N, 1.0)).sum())
         return out, counts
+
+
+def policy_version_counts(table: pa.Table) -> dict[str, float]:
+    """The generated samples' policy versions (logged ones, version -1, left out): their sum, count and oldest, from
+    which the stage reports how many versions behind the update's input policy they are (update/policy_lag_*)."""
+    versions = table.column("policy_version").to_numpy(zero_copy_only=False)
+    versions = versions[versions >= 0]
+    return {
+        "version_samples": float(len(versions)),
+        "version_sum": float(versions.sum()),
+        "version_oldest_min": float(versions.min(initial=np.iinfo(np.int32).max)),
+    }
 
 
 def missing_logprobs(table: pa.Table) -> int:
@@ -555,6 +568,9 @@ class AdvantageStage(Stage):
         )
         if a.estimator == "gae":
             stats |= gae_stats(counts)
+        if counts.get("version_samples"):  # versions behind policy(i-1), the policy the update trains (version i)
+            stats["update/policy_lag_mean"] = ctx.iteration - counts["version_sum"] / counts["version_samples"]
+            stats["update/policy_lag_max"] = float(ctx.iteration - counts["version_oldest_min"])
         if a.kl_in_reward_coef > 0 and n:
             stats["actor/reward_kl_penalty"] = counts["reward_kl_token_mean_sum"] / n
             stats["actor/reward_kl_penalty_coeff"] = a.kl_in_reward_coef
@@ -565,6 +581,8 @@ class AdvantageStage(Stage):
             )
         return StageOutput(
             parts=parts,
-            counts={k: int(v) for k, v in counts.items() if not k.startswith(("advantage", "reward_kl", "gae_"))},
+            counts={
+                k: int(v) for k, v in counts.items() if not k.startswith(("advantage", "reward_kl", "gae_", "version_"))
+            },
             stats=stats,
         )

@@ -68,6 +68,7 @@ class ShardSettings:
     num_samples_per_prompt: int
     run_seed: int
     iteration: int
+    policy_version: int | None = None  # recorded in the rollouts (None: the iteration; see behaviour_version)
 
 
 class GenerateWorker(ShardWorker):
@@ -139,7 +140,7 @@ class GenerateWorker(ShardWorker):
             "finish_reasons": [[r.finish_reason for r in g] for g in groups],
             "response_lengths": [[len(r.token_ids) for r in g] for g in groups],
             "sample_seeds": seeds,
-            "policy_version": [s.iteration] * table.num_rows,
+            "policy_version": [s.iteration if s.policy_version is None else s.policy_version] * table.num_rows,
         }.items():
             out = out.append_column(name, pa.array(values))
         return out, summarize_rollouts(out) | {"engine_time_s": elapsed}
@@ -299,6 +300,7 @@ class GenerateStage(Stage):
     schema = "rollouts"
     inputs = ("prompts", "policy")
     timing_name = "gen"
+    reads_behaviour_policy = True  # with run.max_staleness, an older policy, while the previous update trains
 
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
         return [("model.path", cfg.model.path)]  # the initial policy
@@ -390,6 +392,7 @@ class GenerateStage(Stage):
                 num_samples_per_prompt=g.num_samples_per_prompt,
                 run_seed=ctx.cfg.run.seed,
                 iteration=ctx.iteration,
+                policy_version=ctx.cfg.run.behaviour_version(ctx.iteration or 0),
                 sampling={
                     "temperature": g.temperature,
                     "top_p": g.top_p,

@@ -89,7 +89,7 @@ class UpdateStage(Stage):
         u = cfg.update
         # Where and how the ranks run, and how long they may take, do not change what they compute.
         placement = {"timeout_s", "trainer_lifetime", "launcher", "cpus_per_rank"}
-        return {
+        config = {
             "update": u.model_dump(exclude=placement | {"keep_last_k_optimizer_states", "share_prompt"}),
             "saves_optimizer_state": u.keep_last_k_optimizer_states != 0,
             "seed": cfg.run.seed,
@@ -97,7 +97,12 @@ class UpdateStage(Stage):
             "schedule_iterations": _schedule_iterations(cfg),
             "norm_length": _norm_length(cfg),
             "reference_policy": cfg.model.path if u.kl_loss_coef > 0 else None,
-        } | ({"critic": critic_fingerprint(cfg)} if cfg.critic is not None else {})
+        }
+        if cfg.critic is not None:
+            config["critic"] = critic_fingerprint(cfg)
+        if cfg.run.max_staleness:  # the old log-probs come from an older (behaviour) policy
+            config["max_staleness"] = cfg.run.max_staleness
+        return config
 
     def run(self, ctx: StageContext) -> StageOutput:
         from batchrl.trainer import shutdown_trainers
@@ -289,6 +294,7 @@ def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:
             ctx,
             policy_in=ctx.policy_in,
             reference_policy=ctx.cfg.model.path if u.kl_loss_coef > 0 else None,
+            behaviour_policy=_behaviour_policy(ctx),
             advantages_files=_advantages_files(ctx),
             trainer_state_in=None if state is None else state.uri,
             trainer_state_sha256=None if state is None else state.sha256,
@@ -333,10 +339,12 @@ def _local_spec(ctx: StageContext, scratch: str, state: RecordedState | None):
     """The UpdateSpec for the local launcher: the policies and the trainer state made local, the advantages read in
     place, every output in `scratch`, published after."""
     u = ctx.cfg.update
+    behaviour = _behaviour_policy(ctx)
     return _spec(
         ctx,
         policy_in=local_copy(ctx.policy_in),
         reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
+        behaviour_policy=None if behaviour is None else local_copy(behaviour),
         advantages_files=_advantages_files(ctx),
         trainer_state_in=None if state is None else _local_trainer_state(state, scratch),
         trainer_state_sha256=None if state is None else state.sha256,
@@ -351,6 +359,7 @@ def _spec(
     *,
     policy_in: str,
     reference_policy: str | None,
+    behaviour_policy: str | None,
     advantages_files: list[str],
     trainer_state_in: str | None,
     trainer_state_sha256: dict[str, str] | None,
@@ -376,6 +385,7 @@ def _spec(
         dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32",
         num_iterations=_schedule_iterations(cfg) or 1,
         reference_policy=reference_policy,
+        behaviour_policy=behaviour_policy,
         trainer_state_in=trainer_state_in,
         trainer_state_sha256=trainer_state_sha256,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
@@ -389,6 +399,14 @@ def _spec(
 def critic_fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
     """What of the critic section determines the critic an update trains (its values actors do not)."""
     return cfg.critic.model_dump(exclude={"num_actors", "cpus_per_actor", "gpus_per_actor"}) | {"seed": cfg.run.seed}
+
+
+def _behaviour_policy(ctx: StageContext) -> str | None:
+    """The policy that generated this iteration's rollouts when it is older than the input policy (run.max_staleness
+    > 0 past the first iterations) and the old log-probs are recomputed: they are recomputed with it."""
+    if ctx.cfg.update.old_logprobs != "recompute" or ctx.behaviour_policy in (None, ctx.policy_in):
+        return None
+    return ctx.behaviour_policy
 
 
 def _schedule_iterations(cfg: PipelineConfig) -> int | None:

@@ -40,6 +40,7 @@ class ValuesStage(Stage):
     schema = "values"
     inputs: tuple[str, ...] = ("scores", POLICY)  # the first: set to the table it reads by `values_stages`
     takes_over = "scores"
+    reads_behaviour_policy = True  # the critic of the policy that generated the rollouts
     config_section = "critic"
     timing_name = "values"
 

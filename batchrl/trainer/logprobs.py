@@ -194,22 +194,29 @@ def pre_update_pass(
 
 def _pass_models(
     policy: torch.nn.Module, *, spec: UpdateSpec, ctx: Dist, recompute_old: bool
-) -> tuple[dict, torch.nn.Module | None]:
-    """({"old": the policy with recomputed old log-probs, "ref": the reference with the KL loss}, the reference
-    when it was loaded for this pass, else None). ``recompute_old``: see `recomputes_old`."""
+) -> tuple[dict, list[torch.nn.Module] | None]:
+    """({"old": the behaviour policy with recomputed old log-probs, "ref": the reference with the KL loss}, the
+    models loaded for this pass (the reference, an older behaviour policy), else None). ``recompute_old``: see
+    `recomputes_old`. A checkpoint that is policy_in's is the policy itself; one named twice is loaded once."""
     models: dict[str, torch.nn.Module] = {}
-    if recompute_old:
-        models["old"] = policy
-    reference = None
+    loaded: dict[str, torch.nn.Module] = {}  # checkpoints loaded for this pass, by path
+
+    def frozen(path: str | None) -> torch.nn.Module:
+        if path is None or same_checkpoint(path, spec.policy_in):
+            return policy
+        for other, model in loaded.items():
+            if same_checkpoint(path, other):
+                return model
+        model = load_model(path).requires_grad_(False)
+        shard_model(model, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=spec.update.cpu_offload)
+        loaded[path] = model.eval()
+        return model
+
+    if recompute_old:  # the behaviour policy's (run.max_staleness > 0: an older checkpoint than policy_in)
+        models["old"] = frozen(spec.behaviour_policy)
     if spec.update.kl_loss_coef > 0:
-        if same_checkpoint(spec.reference_policy, spec.policy_in):
-            models["ref"] = policy
-        else:
-            reference = load_model(spec.reference_policy).requires_grad_(False)
-            shard_model(reference, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=spec.update.cpu_offload)
-            reference.eval()
-            models["ref"] = reference
-    return models, reference
+        models["ref"] = frozen(spec.reference_policy)
+    return models, list(loaded.values()) or None
 
 
 @dataclass(frozen=True)

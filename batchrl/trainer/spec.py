@@ -45,6 +45,9 @@ class UpdateSpec:
     dtype: str = "float32"  # compute dtype: bfloat16 when model.dtype is bfloat16
     num_iterations: int = 1  # iterations the lr schedule spans (run.iterations), unless update.lr_total_steps
     reference_policy: str | None = None  # HF checkpoint of the frozen reference; needed when kl_loss_coef > 0
+    # HF checkpoint of the policy that generated the rollouts, when it is not policy_in (run.max_staleness > 0):
+    # old_logprobs=recompute computes the old log-probs with it
+    behaviour_policy: str | None = None
     trainer_state_in: str | None = None  # local dir written by a previous update's trainer_state_out
     # sha256 of trainer_state_in's files (relative paths) as their writer recorded them: checked before loading,
     # because loading unpickles them (see `integrity`). None: not checked (a state saved before they were recorded)

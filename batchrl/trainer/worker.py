@@ -81,6 +81,7 @@ PER_UPDATE_FIELDS = frozenset(
     {
         "policy_in",
         "policy_out",
+        "behaviour_policy",
         "advantages_files",
         "metrics_path",
         "seed",

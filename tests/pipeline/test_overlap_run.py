@@ -1,0 +1,127 @@
+"""Overlapped iterations (run.max_staleness: 1) in real runs: iteration i generates with policy i-2 while iteration
+i-1's update trains; the tables record the policy version; the old log-probs are recomputed from the behaviour
+policy's checkpoint; the metrics count the lag; the rows equal a strict run's where the policy versions agree; a
+run killed with two iterations in flight resumes to the same rows and weights. Tiny runs: HF engine, gloo update."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from harness import REPO, cli_ok, kill_run_when, read_metrics, read_rows, start_cli, write_pipeline
+
+pytestmark = pytest.mark.slow
+
+PAUSE_ENV = "BATCHRL_TEST_OVERLAP_PAUSE"
+PROBE_SOURCE = """
+import os, time
+from pathlib import Path
+
+import pyarrow as pa
+
+
+def pause_in_iteration_2(table):
+    pause = os.environ.get("{env}")
+    if pause:
+        with open(Path(pause, "calls"), "a") as f:
+            f.write("x")
+        if len(Path(pause, "calls").read_text()) == 5:  # 2 shards an iteration: iteration 2's first
+            Path(pause, "reached").write_text("")
+            while not Path(pause, "go").exists():
+                time.sleep(0.1)
+    return table.append_column("probed", pa.array([True] * table.num_rows))
+"""
+BASE = {
+    "run.iterations": 3,
+    "stages": [
+        {"name": "probe", "after": "score", "call": "overlap_probe:pause_in_iteration_2", "outputs": ["probed"]}
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def probe_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("probe")
+    (directory / "overlap_probe.py").write_text(PROBE_SOURCE.format(env=PAUSE_ENV))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, toy_model_dir, toy_prompts_dir, probe_dir) -> dict:
+    """A strict and an overlapped run of the same pipeline: {"strict": run dir, "overlapped": run dir, "path": the
+    overlapped pipeline file, "log": the overlapped run's stderr}."""
+    directory = tmp_path_factory.mktemp("overlap")
+    strict = write_pipeline(directory, BASE, model=toy_model_dir, prompts=toy_prompts_dir, file_name="strict.yaml")
+    overlapped = write_pipeline(
+        directory, BASE | {"run.max_staleness": 1}, model=toy_model_dir, prompts=toy_prompts_dir
+    )
+    cli_ok("run", strict, "--run-id", "strict", path_first=[probe_dir, REPO])
+    done = cli_ok("run", overlapped, "--run-id", "overlapped", path_first=[probe_dir, REPO])
+    runs = directory / "runs"
+    return {"strict": runs / "strict", "overlapped": runs / "overlapped", "path": overlapped, "log": done.stderr}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_iteration_1_generates_while_iteration_0_updates(runs):
+    log = runs["log"]
+    assert log.index("iter 1 generate: running") < log.index("iter 0 update: done")
+
+
+def test_the_rows_equal_a_strict_runs_where_the_policy_versions_agree(runs):
+    strict, overlapped = runs["strict"], runs["overlapped"]
+    for table in ("rollouts", "scores", "advantages"):  # iteration 0: both generate with the initial policy
+        assert read_rows(overlapped / "iter_0000" / table) == read_rows(strict / "iter_0000" / table), table
+    weights = "iter_0000/policy/model.safetensors"
+    assert _sha256(overlapped / weights) == _sha256(strict / weights)
+    versions = {
+        run: [{r["policy_version"] for r in read_rows(runs[run] / f"iter_{i:04d}" / "rollouts")} for i in range(3)]
+        for run in ("strict", "overlapped")
+    }
+    assert versions == {"strict": [{0}, {1}, {2}], "overlapped": [{0}, {0}, {1}]}
+
+
+def test_the_metrics_count_the_policy_lag_and_the_old_logprobs_are_the_behaviour_policys(runs):
+    lags = [m["update/policy_lag_max"] for m in read_metrics(runs["overlapped"])]
+    assert lags == [0.0, 1.0, 1.0]
+    assert [m["update/policy_lag_mean"] for m in read_metrics(runs["strict"])] == [0.0, 0.0, 0.0]
+    # Iteration 2 trains policy 1 on rollouts of policy 0 (version 1): the recomputed old log-probs are the
+    # behaviour policy's, which the engine's own log-probs equal up to float rounding (same weights, float32)
+    run = runs["overlapped"] / "iter_0002"
+    old = {
+        (r["prompt_id"], r["sample_idx"]): r["old_logprobs"]
+        for part in sorted((run / "policy" / "_logprobs").glob("part-*.parquet"))
+        for r in pq.read_table(part).to_pylist()
+    }
+    engine = {(r["prompt_id"], r["sample_idx"]): r["response_logprobs"] for r in read_rows(run / "advantages")}
+    diffs = np.concatenate([np.abs(np.subtract(old[key], engine[key])) for key in engine if engine[key]])
+    assert diffs.max() < 1e-3
+
+
+def test_a_run_killed_with_two_iterations_in_flight_resumes_to_the_rows_and_weights_of_an_uninterrupted_one(
+    tmp_path, runs, probe_dir
+):
+    expected = runs["overlapped"]
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    log = tmp_path / "killed.log"
+    process = start_cli(
+        "run", runs["path"], "--run-id", "killed", log=log, env={PAUSE_ENV: str(pause)}, path_first=[probe_dir, REPO]
+    )
+    kill_run_when(pause / "reached", process, log=log)  # iteration 2's probe in flight, iteration 1's update too
+    resumed = expected.parent / "killed"
+    assert not (resumed / "iter_0002" / "probe" / "_MANIFEST.json").exists()
+    (pause / "go").write_text("")
+    cli_ok("run", runs["path"], "--run-id", "killed", path_first=[probe_dir, REPO])
+    for iteration in range(3):
+        for table in ("rollouts", "advantages"):
+            directory = f"iter_{iteration:04d}/{table}"
+            assert read_rows(resumed / directory) == read_rows(expected / directory), directory
+        weights = f"iter_{iteration:04d}/policy/model.safetensors"
+        assert _sha256(resumed / weights) == _sha256(expected / weights), weights
+    assert [m["iteration"] for m in read_metrics(resumed)] == [0, 1, 2]
