@@ -592,7 +592,11 @@ class UpdateConfig(_Strict):
         "(ray.address or $RAY_ADDRESS), local with the embedded Ray.",
     )
     cpus_per_rank: float = Field(
-        1.0, gt=0, description="CPUs each rank's placement-group bundle reserves with update.launcher=ray."
+        1.0,
+        gt=0,
+        description="CPUs each rank's placement-group bundle reserves with update.launcher=ray; with "
+        "run.max_staleness > 0 on one host, also the threads of each local rank (the update's share of a host whose "
+        "engines generate meanwhile, with generate.cpus_per_actor theirs).",
     )
 
     @model_validator(mode="after")

@@ -78,6 +78,14 @@ class UpdateStage(Stage):
     def check_inputs(self, cfg: PipelineConfig) -> None:
         cluster = cfg.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
         check_rank_devices(cfg.update, cluster=cluster)
+        local = cfg.update.launcher == "local" or (cfg.update.launcher == "auto" and not cluster)
+        if cfg.run.max_staleness and cfg.generate.gpus_per_actor > 0 and local:
+            raise ConfigError(
+                f"run.max_staleness={cfg.run.max_staleness} runs the update while the engines generate, and on one "
+                "host the local update ranks take GPUs 0..N-1 whatever Ray gave the engines: they would share GPUs. "
+                "Set run.max_staleness: 0 here, or run on a Ray cluster with update.launcher: ray (the ranks then get "
+                "GPUs of their own placement group)"
+            )
 
     @classmethod
     def close(cls) -> None:
@@ -390,6 +398,7 @@ def _spec(
         trainer_state_sha256=trainer_state_sha256,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_dir=join(out_dir, LOGPROBS_DIR),
+        threads_per_rank=max(1, int(u.cpus_per_rank)) if cfg.run.max_staleness else None,
         critic=cfg.critic,
         train_actor=cfg.critic is None or (ctx.iteration or 0) >= cfg.critic.warmup_iterations,
         critic_head_seed=cfg.run.seed,

@@ -83,7 +83,14 @@ def run_update(
         port = _free_port()
         started = time.perf_counter()
         workers = [
-            _start_worker(spec_path, rank=rank, world_size=spec.update.num_processes, port=port, log_dir=Path(tmp))
+            _start_worker(
+                spec_path,
+                rank=rank,
+                world_size=spec.update.num_processes,
+                port=port,
+                log_dir=Path(tmp),
+                threads=spec.threads_per_rank,
+            )
             for rank in range(spec.update.num_processes)
         ]
         try:
@@ -154,7 +161,7 @@ atexit.register(shutdown_trainers)
 def _pool_key(spec: UpdateSpec) -> tuple:
     """What the rank processes are fixed to at start: the process group and the environment they inherit."""
     env = tuple(os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH"))
-    return (spec.update.num_processes, spec.update.backend, sys.executable, env)
+    return (spec.update.num_processes, spec.update.backend, sys.executable, env, spec.threads_per_rank)
 
 
 def _get_pool(spec: UpdateSpec) -> _Pool:
@@ -172,7 +179,14 @@ def _get_pool(spec: UpdateSpec) -> _Pool:
         log_dir = Path(tempfile.mkdtemp(prefix="batchrl-trainers-"))
         port = _free_port()
         workers = [
-            _start_worker(None, rank=rank, world_size=spec.update.num_processes, port=port, log_dir=log_dir)
+            _start_worker(
+                None,
+                rank=rank,
+                world_size=spec.update.num_processes,
+                port=port,
+                log_dir=log_dir,
+                threads=spec.threads_per_rank,
+            )
             for rank in range(spec.update.num_processes)
         ]
         _POOL = _Pool(key=key, workers=workers, log_dir=log_dir)
@@ -268,7 +282,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_env(*, rank: int, world_size: int, port: int) -> dict[str, str]:
+def _worker_env(*, rank: int, world_size: int, port: int, threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -281,6 +295,8 @@ def _worker_env(*, rank: int, world_size: int, port: int) -> dict[str, str]:
     )
     # Like torchrun: N processes on one host must not each start one thread per core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // world_size)))
+    if threads is not None:  # the update's share of a host it shares with running engines (run.max_staleness)
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
@@ -312,14 +328,16 @@ def _cgroup_cpu_quota() -> int | None:
         return None
 
 
-def _start_worker(spec_path: Path | None, *, rank: int, world_size: int, port: int, log_dir: Path) -> dict:
+def _start_worker(
+    spec_path: Path | None, *, rank: int, world_size: int, port: int, log_dir: Path, threads: int | None = None
+) -> dict:
     """Popen one rank with its stdout/stderr in files (pipes could fill up and block the worker); without a
     spec path, a resident rank that reads spec paths from its stdin (a pipe)."""
     stdout_path, stderr_path = log_dir / f"rank{rank}.out", log_dir / f"rank{rank}.err"
     with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "batchrl.trainer.worker", "--serve" if spec_path is None else str(spec_path)],
-            env=_worker_env(rank=rank, world_size=world_size, port=port),
+            env=_worker_env(rank=rank, world_size=world_size, port=port, threads=threads),
             stdin=subprocess.PIPE if spec_path is None else None,
             stdout=stdout,
             stderr=stderr,

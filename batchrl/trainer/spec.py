@@ -56,6 +56,9 @@ class UpdateSpec:
     # local dir for the per-sample old/reference log-probs table: each rank writes part-<rank>.parquet
     logprobs_dir: str | None = None
     progress_path: str | None = None  # local JSON-lines file rank 0 appends progress to (see progress_file)
+    # threads of each local rank (OMP_NUM_THREADS) when the update shares the host with running engines
+    # (run.max_staleness > 0: update.cpus_per_rank); None: the host's CPUs divided among the ranks
+    threads_per_rank: int | None = None
     # PPO with a critic (advantage.estimator gae): the advantages table has per-token advantages, values, returns
     # The critic is built from `critic.critic_source(policy_in, critic.model_path)` and saved to policy_out/critic/
     critic: CriticConfig | None = None
