@@ -41,8 +41,8 @@ RunIdOpt = typer.Option(None, "--run-id", help="Run id (directory under run.root
 FromStageOpt = typer.Option(
     None,
     "--from-stage",
-    help="Redo this stage (ingest, generate, score, advantage, update) "
-    "of --iteration and every stage after it, keeping the stages before it; 'evaluate' "
+    help="Redo this stage (ingest, generate, score, values with a critic, advantage, update, or a user stage's "
+    "name) of --iteration and every stage after it, keeping the stages before it; 'evaluate' "
     "redoes only the evaluations from --iteration on (default: from the initial policy's), "
     "never training.",
 )
