@@ -140,6 +140,20 @@ def _print_plan(cfg: PipelineConfig, steps) -> None:
         typer.echo(f"  {step.label:<22} {step.status:<8} {ACTIONS[step.status]:<22} {_step_detail(step)}".rstrip())
     if cfg.run.epochs is not None and not any(step.iteration is not None for step in steps):
         typer.echo(f"  (run.epochs={cfg.run.epochs}: the iterations are listed once the prompts table is ingested)")
+    if cfg.run.max_staleness:
+        in_flight = sorted(  # started (a _STARTED.json), not committed
+            {
+                s.iteration
+                for s in steps
+                if s.started_at and s.status in ("partial", "pending") and s.iteration is not None
+            }
+        )
+        typer.echo(
+            f"  (run.max_staleness={cfg.run.max_staleness}: iteration i generates with policy version "
+            f"i-{cfg.run.max_staleness} while the update before it trains"
+            + (f"; in flight when interrupted: iterations {', '.join(map(str, in_flight))}" if in_flight else "")
+            + ")"
+        )
 
 
 def _step_detail(step) -> str:

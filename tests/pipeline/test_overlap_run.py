@@ -116,6 +116,9 @@ def test_a_run_killed_with_two_iterations_in_flight_resumes_to_the_rows_and_weig
     kill_run_when(pause / "reached", process, log=log)  # iteration 2's probe in flight, iteration 1's update too
     resumed = expected.parent / "killed"
     assert not (resumed / "iter_0002" / "probe" / "_MANIFEST.json").exists()
+    status = cli_ok("status", resumed, path_first=[probe_dir, REPO])
+    assert "run.max_staleness=1" in status.stdout and "in flight when interrupted: iterations" in status.stdout
+    assert "iter 2 probe" in status.stdout
     (pause / "go").write_text("")
     cli_ok("run", runs["path"], "--run-id", "killed", path_first=[probe_dir, REPO])
     for iteration in range(3):
