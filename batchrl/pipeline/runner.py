@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from batchrl.config import ConfigError, PipelineConfig
+from batchrl.pipeline.devices import RANK_DEVICES_ENV, needs_split, overlap_gpu_split, visible_gpus
 from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.lineage import (
     Lineage,
@@ -843,16 +844,25 @@ def _ray_session(runner: Runner, *, needed: bool = True) -> Iterator[None]:
         return
     cfg = runner.cfg
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    saved_env = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", RANK_DEVICES_ENV)}
     try:
         with kept_across("ray.init"):  # ray.init replaces the driver's SIGTERM handler (see interrupts)
             if address:
                 ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)  # levels: cli.py
             else:
+                gpus = {}
+                if needs_split(cfg, local_launcher=cfg.update.launcher != "ray"):  # overlap on one GPU host
+                    engines, ranks = overlap_gpu_split(cfg, visible_gpus())
+                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(engines)  # what the embedded Ray hands out
+                    os.environ[RANK_DEVICES_ENV] = ",".join(ranks)  # what the update stage gives its ranks
+                    gpus = {"num_gpus": len(engines)}
+                    logger.info("GPUs %s for the engines, %s for the update (run.max_staleness)", engines, ranks)
                 ray.init(
                     num_cpus=cfg.ray.num_cpus,
                     include_dashboard=False,
                     logging_level=logging.WARNING,
                     configure_logging=False,
+                    **gpus,
                 )
         runner.embedded_ray = not address
         DataContext.get_current().enable_progress_bars = False
@@ -861,3 +871,8 @@ def _ray_session(runner: Runner, *, needed: bool = True) -> Iterator[None]:
         with deferred():  # a signal cutting ray.shutdown short would leave half of Ray running
             runner.embedded_ray = False
             ray.shutdown()
+            for name, value in saved_env.items():  # the split lasts as long as this Ray
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

@@ -43,6 +43,7 @@ from typing import Any
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import UpdateConfig
 from batchrl.errors import DataError
+from batchrl.pipeline.devices import RANK_DEVICES_ENV, needs_split, overlap_gpu_split, visible_gpus
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
 from batchrl.storage.manifest import Manifest, PartInfo, file_sizes, read_manifest
@@ -79,13 +80,8 @@ class UpdateStage(Stage):
         cluster = cfg.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
         check_rank_devices(cfg.update, cluster=cluster)
         local = cfg.update.launcher == "local" or (cfg.update.launcher == "auto" and not cluster)
-        if cfg.run.max_staleness and cfg.generate.gpus_per_actor > 0 and local:
-            raise ConfigError(
-                f"run.max_staleness={cfg.run.max_staleness} runs the update while the engines generate, and on one "
-                "host the local update ranks take GPUs 0..N-1 whatever Ray gave the engines: they would share GPUs. "
-                "Set run.max_staleness: 0 here, or run on a Ray cluster with update.launcher: ray (the ranks then get "
-                "GPUs of their own placement group)"
-            )
+        if needs_split(cfg, local_launcher=local):
+            overlap_gpu_split(cfg, visible_gpus())  # the engines and the ranks each get GPUs of their own, or exit 2
 
     @classmethod
     def close(cls) -> None:
@@ -399,6 +395,7 @@ def _spec(
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_dir=join(out_dir, LOGPROBS_DIR),
         threads_per_rank=max(1, int(u.cpus_per_rank)) if cfg.run.max_staleness else None,
+        cuda_devices=os.environ.get(RANK_DEVICES_ENV),  # overlapped on one GPU host: the runner's split
         critic=cfg.critic,
         train_actor=cfg.critic is None or (ctx.iteration or 0) >= cfg.critic.warmup_iterations,
         critic_head_seed=cfg.run.seed,

@@ -90,6 +90,7 @@ def run_update(
                 port=port,
                 log_dir=Path(tmp),
                 threads=spec.threads_per_rank,
+                cuda_devices=spec.cuda_devices,
             )
             for rank in range(spec.update.num_processes)
         ]
@@ -161,7 +162,14 @@ atexit.register(shutdown_trainers)
 def _pool_key(spec: UpdateSpec) -> tuple:
     """What the rank processes are fixed to at start: the process group and the environment they inherit."""
     env = tuple(os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH"))
-    return (spec.update.num_processes, spec.update.backend, sys.executable, env, spec.threads_per_rank)
+    return (
+        spec.update.num_processes,
+        spec.update.backend,
+        sys.executable,
+        env,
+        spec.threads_per_rank,
+        spec.cuda_devices,
+    )
 
 
 def _get_pool(spec: UpdateSpec) -> _Pool:
@@ -186,6 +194,7 @@ def _get_pool(spec: UpdateSpec) -> _Pool:
                 port=port,
                 log_dir=log_dir,
                 threads=spec.threads_per_rank,
+                cuda_devices=spec.cuda_devices,
             )
             for rank in range(spec.update.num_processes)
         ]
@@ -282,7 +291,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_env(*, rank: int, world_size: int, port: int, threads: int | None = None) -> dict[str, str]:
+def _worker_env(
+    *, rank: int, world_size: int, port: int, threads: int | None = None, cuda_devices: str | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -297,6 +308,8 @@ def _worker_env(*, rank: int, world_size: int, port: int, threads: int | None = 
     env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // world_size)))
     if threads is not None:  # the update's share of a host it shares with running engines (run.max_staleness)
         env["OMP_NUM_THREADS"] = str(threads)
+    if cuda_devices is not None:  # the same, on a GPU host: the ranks' own GPUs (LOCAL_RANK indexes into them)
+        env["CUDA_VISIBLE_DEVICES"] = cuda_devices
     return env
 
 
@@ -329,7 +342,14 @@ def _cgroup_cpu_quota() -> int | None:
 
 
 def _start_worker(
-    spec_path: Path | None, *, rank: int, world_size: int, port: int, log_dir: Path, threads: int | None = None
+    spec_path: Path | None,
+    *,
+    rank: int,
+    world_size: int,
+    port: int,
+    log_dir: Path,
+    threads: int | None = None,
+    cuda_devices: str | None = None,
 ) -> dict:
     """Popen one rank with its stdout/stderr in files (pipes could fill up and block the worker); without a
     spec path, a resident rank that reads spec paths from its stdin (a pipe)."""
@@ -337,7 +357,7 @@ def _start_worker(
     with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "batchrl.trainer.worker", "--serve" if spec_path is None else str(spec_path)],
-            env=_worker_env(rank=rank, world_size=world_size, port=port, threads=threads),
+            env=_worker_env(rank=rank, world_size=world_size, port=port, threads=threads, cuda_devices=cuda_devices),
             stdin=subprocess.PIPE if spec_path is None else None,
             stdout=stdout,
             stderr=stderr,

@@ -59,6 +59,9 @@ class UpdateSpec:
     # threads of each local rank (OMP_NUM_THREADS) when the update shares the host with running engines
     # (run.max_staleness > 0: update.cpus_per_rank); None: the host's CPUs divided among the ranks
     threads_per_rank: int | None = None
+    # CUDA_VISIBLE_DEVICES of the local ranks when the update shares one GPU host with running engines (the
+    # runner's split, batchrl.pipeline.devices); None: the environment's
+    cuda_devices: str | None = None
     # PPO with a critic (advantage.estimator gae): the advantages table has per-token advantages, values, returns
     # The critic is built from `critic.critic_source(policy_in, critic.model_path)` and saved to policy_out/critic/
     critic: CriticConfig | None = None

@@ -48,13 +48,69 @@ def test_the_values_stage_reads_the_critic_of_the_behaviour_policy(tmp_path):
     assert steps["iter 2 values"].policy_in == steps["iter 2 generate"].policy_in == steps["iter 0 update"].output_dir
 
 
-def test_overlap_with_gpu_engines_and_local_update_ranks_is_a_config_error(tmp_path, monkeypatch):
+def with_gpu_engines(cfg, *, ranks, actors=1, gpus=1.0):
+    return cfg.model_copy(
+        update={
+            "generate": cfg.generate.model_copy(update={"gpus_per_actor": gpus, "num_actors": actors}),
+            "update": cfg.update.model_copy(update={"num_processes": ranks}),
+        }
+    )
+
+
+def test_one_gpu_hosts_gpus_are_split_between_the_engines_and_the_update_ranks(tmp_path):
+    from batchrl.config import ConfigError
+    from batchrl.pipeline.devices import needs_split, overlap_gpu_split
+
+    cfg = config(tmp_path, staleness=1)
+    assert not needs_split(cfg, local_launcher=True)  # CPU engines: the shares are CPUs
+    gpu = with_gpu_engines(cfg, ranks=2, actors=2, gpus=0.5)
+    assert needs_split(gpu, local_launcher=True) and not needs_split(gpu, local_launcher=False)
+    assert overlap_gpu_split(gpu, ["0", "1", "2", "3"]) == (["0", "1"], ["2", "3"])
+    assert overlap_gpu_split(gpu, ["4", "6", "7"]) == (["4"], ["6", "7"])  # 2 actors x 0.5 GPU: one GPU
+    with pytest.raises(ConfigError, match=r"need 3 GPUs, and this host has 2"):
+        overlap_gpu_split(gpu, ["0", "1"])
+    with pytest.raises(ConfigError, match="set update.num_processes"):
+        overlap_gpu_split(with_gpu_engines(cfg, ranks="auto"), ["0", "1"])
+    strict = with_gpu_engines(config(tmp_path, staleness=0), ranks=1)
+    assert not needs_split(strict, local_launcher=True)  # strict order: the engines sleep or go while it trains
+
+
+def test_overlap_with_gpu_engines_on_a_host_without_enough_gpus_is_a_config_error(tmp_path, monkeypatch):
     from batchrl.config import ConfigError
     from batchrl.stages.update import UpdateStage
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this host: no GPU
     cfg = config(tmp_path, staleness=1)
-    gpu = cfg.model_copy(update={"generate": cfg.generate.model_copy(update={"gpus_per_actor": 1.0})})
-    with pytest.raises(ConfigError, match="run.max_staleness=1 runs the update while the engines generate"):
-        UpdateStage().check_inputs(gpu)
+    with pytest.raises(ConfigError, match=r"need 2 GPUs, and this host has 0"):
+        UpdateStage().check_inputs(with_gpu_engines(cfg, ranks=1))
     UpdateStage().check_inputs(cfg)  # CPU engines: the shares are generate.cpus_per_actor and update.cpus_per_rank
+
+
+def test_the_update_ranks_get_their_share_of_threads_and_gpus():
+    from batchrl.trainer.launch import _worker_env
+
+    env = _worker_env(rank=1, world_size=2, port=1234, threads=3, cuda_devices="6,7")
+    assert (env["OMP_NUM_THREADS"], env["CUDA_VISIBLE_DEVICES"], env["LOCAL_RANK"]) == ("3", "6,7", "1")
+
+
+def test_the_embedded_ray_sees_only_the_engines_gpus_and_the_update_stage_learns_the_ranks(tmp_path, monkeypatch):
+    import os
+    import types
+
+    import ray
+
+    from batchrl.pipeline.devices import RANK_DEVICES_ENV
+    from batchrl.pipeline.runner import _ray_session
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = with_gpu_engines(config(tmp_path, staleness=1), ranks=2)
+    cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"num_cpus": 1})})
+    runner = types.SimpleNamespace(cfg=cfg, embedded_ray=False)
+    with _ray_session(runner):
+        assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ[RANK_DEVICES_ENV]) == ("0", "1,2")
+        assert ray.cluster_resources().get("GPU") == 1.0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2" and RANK_DEVICES_ENV not in os.environ

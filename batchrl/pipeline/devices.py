@@ -1,0 +1,58 @@
+"""One GPU host's devices split between the engines and the update ranks, for overlapped iterations.
+
+With run.max_staleness > 0 the update trains while the engines generate. On a Ray cluster the update's ranks are a
+placement group of their own (update.launcher: ray). On one host the local NCCL ranks would take GPUs 0..N-1
+whatever Ray gave the engines, so the runner splits the visible GPUs: the last update.num_processes go to the
+ranks (`UpdateSpec.cuda_devices`, their CUDA_VISIBLE_DEVICES), the others to the embedded Ray, which the runner
+starts with only those visible (Ray hands its actors GPU ids from the CUDA_VISIBLE_DEVICES it starts with).
+Unverified on a GPU so far: the split is tested as a function and as the environments it produces.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from batchrl.config import ConfigError, PipelineConfig
+
+RANK_DEVICES_ENV = "BATCHRL_UPDATE_CUDA_DEVICES"  # set by the runner for the update stage: the ranks' GPUs
+
+
+def visible_gpus() -> list[str]:
+    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES when set, else 0..count-1 (none without CUDA)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
+def needs_split(cfg: PipelineConfig, *, local_launcher: bool) -> bool:
+    """Whether the engines and local update ranks would run at once on one host's GPUs."""
+    return bool(cfg.run.max_staleness) and cfg.generate.gpus_per_actor > 0 and local_launcher
+
+
+def overlap_gpu_split(cfg: PipelineConfig, visible: list[str]) -> tuple[list[str], list[str]]:
+    """(the engines' GPUs, the update ranks' GPUs) of ``visible``: the last update.num_processes for the ranks. A
+    ConfigError naming the fields when the host cannot hold both."""
+    ranks = cfg.update.num_processes
+    if ranks == "auto":
+        raise ConfigError(
+            f"run.max_staleness={cfg.run.max_staleness} with GPU engines on one host splits its GPUs between the "
+            "engines and the update: set update.num_processes to the number of GPUs the update takes (auto would "
+            "take them all)"
+        )
+    g = cfg.generate
+    engines = math.ceil(g.num_actors * g.gpus_per_actor)
+    if len(visible) < ranks + engines:
+        raise ConfigError(
+            f"run.max_staleness={cfg.run.max_staleness} runs the update beside the engines, on GPUs of its own: "
+            f"update.num_processes={ranks} plus generate.num_actors x gpus_per_actor={engines} need {ranks + engines} "
+            f"GPUs, and this host has {len(visible)}. Lower them, set run.max_staleness: 0, or run on a Ray cluster "
+            "with update.launcher: ray"
+        )
+    return visible[:-ranks], visible[-ranks:]
