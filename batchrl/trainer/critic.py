@@ -162,7 +162,7 @@ def _critic_step(model, optimizer, index, reader, indices, *, spec, ctx: Dist, p
         mb = collate_packs(rows, packs, pad_token_id=pad_token_id, device=ctx.device, token_values=token_values)
         mask_SR = mb.response_mask_SR
         vpreds_SR = critic_values(model, mb)
-        losses_SR, _ = clipped_value_losses(
+        losses_SR, clip_fraction = clipped_value_losses(
             vpreds_SR,
             mb.token_values_SR["returns"],
             mb.token_values_SR["values"],
@@ -173,15 +173,13 @@ def _critic_step(model, optimizer, index, reader, indices, *, spec, ctx: Dist, p
             losses_SR, mask_SR, mode=critic.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs
         )
         loss.backward()
-        old_SR, returns_SR = mb.token_values_SR["values"], mb.token_values_SR["returns"]
-        clipped_SR = old_SR + (vpreds_SR.detach() - old_SR).clamp(-critic.cliprange_value, critic.cliprange_value)
-        used_clip = ((clipped_SR - returns_SR) ** 2 > (vpreds_SR.detach() - returns_SR) ** 2) & mask_SR
+        tokens = mask_SR.sum()
         sums += torch.stack(
             [
                 loss.detach().double(),
-                used_clip.sum().double(),
+                (clip_fraction.detach() * tokens).double(),  # the tokens whose clipped loss was the larger
                 vpreds_SR.detach().masked_fill(~mask_SR, 0).sum().double(),
-                mask_SR.sum().double(),
+                tokens.double(),
             ]
         )
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
