@@ -363,7 +363,7 @@ def _spec(
     *,
     policy_in: str,
     reference_policy: str | None,
-    behaviour_policy: str | None,
+    behaviour_policy: str | None = None,
     advantages_files: list[str],
     trainer_state_in: str | None,
     trainer_state_sha256: dict[str, str] | None,
