@@ -186,6 +186,35 @@ def start_cli(
         )
 
 
+PAUSING_STAGE = """
+import os, time
+from pathlib import Path
+
+import pyarrow as pa
+
+
+def {function}(table):
+    pause = os.environ.get("{env}")
+    if pause:
+        with open(Path(pause, "calls"), "a") as f:
+            f.write("x")
+        if len(Path(pause, "calls").read_text()) == {call}:
+            Path(pause, "reached").write_text("")
+            while not Path(pause, "go").exists():
+                time.sleep(0.1)
+    return table.append_column("probed", pa.array([True] * table.num_rows))
+"""
+
+
+def pausing_stage(directory: Path, module: str, *, function: str, env: str, call: int) -> dict:
+    """Writes ``module``.py into ``directory``: a user stage ``function`` that adds a column "probed" and, when the
+    environment variable ``env`` names a directory, counts its calls there (across processes) and at the ``call``-th
+    writes ``reached`` and waits for ``go`` (the moment `kill_run_when` kills the run). Returns the stage's entry
+    for `stages:`, placed after score."""
+    (directory / f"{module}.py").write_text(PAUSING_STAGE.format(function=function, env=env, call=call))
+    return {"name": "probe", "after": "score", "call": f"{module}:{function}", "outputs": ["probed"]}
+
+
 def kill_run_when(flag: Path, process: subprocess.Popen, *, log: Path, timeout_s: float = 600) -> None:
     """Waits until ``flag`` exists (a test hook inside the run says it reached the moment to kill it), then kills the
     run's whole process group with SIGKILL; fails with the end of ``log`` if the run ends or times out first."""

@@ -44,6 +44,14 @@ def respec(spec: UpdateSpec, **options) -> UpdateSpec:
     return dataclasses.replace(spec.with_update(**update) if update else spec, **options)
 
 
+def tiny_policy_at(out: Path) -> Path:
+    """A toy Qwen2 policy small enough for multi-rank trainer tests (hidden 64), built at ``out``."""
+    from batchrl_toy import build_toy_model
+
+    build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)
+    return out
+
+
 def synthetic_rows(*, vocab_size: int, num_prompts: int = 4, samples_per_prompt: int = 4, seed: int = 0):
     """Random prompts/responses with one empty response, in shuffled order (the trainer sorts)."""
     rng = np.random.default_rng(seed)

@@ -11,29 +11,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from harness import REPO, cli_ok, kill_run_when, read_metrics, read_rows, start_cli, write_pipeline
+from harness import REPO, cli_ok, kill_run_when, pausing_stage, read_metrics, read_rows, start_cli, write_pipeline
 
 pytestmark = pytest.mark.slow
 
 PAUSE_ENV = "BATCHRL_TEST_OVERLAP_PAUSE"
-PROBE_SOURCE = """
-import os, time
-from pathlib import Path
-
-import pyarrow as pa
-
-
-def pause_in_iteration_2(table):
-    pause = os.environ.get("{env}")
-    if pause:
-        with open(Path(pause, "calls"), "a") as f:
-            f.write("x")
-        if len(Path(pause, "calls").read_text()) == 5:  # 2 shards an iteration: iteration 2's first
-            Path(pause, "reached").write_text("")
-            while not Path(pause, "go").exists():
-                time.sleep(0.1)
-    return table.append_column("probed", pa.array([True] * table.num_rows))
-"""
 BASE = {
     "run.iterations": 3,
     "stages": [
@@ -44,8 +26,9 @@ BASE = {
 
 @pytest.fixture(scope="module")
 def probe_dir(tmp_path_factory) -> Path:
+    """The probe stage's module: after score, pausing at its 5th shard (2 shards an iteration) for the kill test."""
     directory = tmp_path_factory.mktemp("probe")
-    (directory / "overlap_probe.py").write_text(PROBE_SOURCE.format(env=PAUSE_ENV))
+    pausing_stage(directory, "overlap_probe", function="pause_in_iteration_2", env=PAUSE_ENV, call=5)
     return directory
 
 

@@ -11,33 +11,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import REPO, cli_ok, kill_run_when, read_manifest, read_metrics, read_rows, start_cli, write_pipeline
+from harness import (
+    REPO,
+    cli_ok,
+    kill_run_when,
+    pausing_stage,
+    read_manifest,
+    read_metrics,
+    read_rows,
+    start_cli,
+    write_pipeline,
+)
 
 pytestmark = pytest.mark.slow
 
 PAUSE_ENV = "BATCHRL_TEST_PPO_PAUSE"
 
-# A user stage after score, so that the values stage reads its table: it pauses at its third shard (iteration 1's
-# first; 2 shards an iteration), counting calls in a file, for the kill test.
-PROBE_SOURCE = """
-import os, time
-from pathlib import Path
-
-import pyarrow as pa
-
-
-def pause_in_iteration_1(table):
-    pause = os.environ.get("{env}")
-    if pause:
-        with open(Path(pause, "calls"), "a") as f:
-            f.write("x")
-        if len(Path(pause, "calls").read_text()) == 3:
-            Path(pause, "reached").write_text("")
-            while not Path(pause, "go").exists():
-                time.sleep(0.1)
-    return table.append_column("probed", pa.array([True] * table.num_rows))
-"""
-
+# The probe (probe_dir) is a user stage after score, so that the values stage reads its table.
 PPO = {
     "run.iterations": 2,
     "advantage.estimator": "gae",
@@ -51,8 +41,9 @@ PPO = {
 
 @pytest.fixture(scope="module")
 def probe_dir(tmp_path_factory) -> Path:
+    """The probe stage's module: after score, pausing at its 3th shard (2 shards an iteration) for the kill test."""
     directory = tmp_path_factory.mktemp("probe")
-    (directory / "ppo_probe.py").write_text(PROBE_SOURCE.format(env=PAUSE_ENV))
+    pausing_stage(directory, "ppo_probe", function="pause_in_iteration_1", env=PAUSE_ENV, call=3)
     return directory
 
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from trainer_helpers import load_weights, make_spec, synthetic_rows
+from trainer_helpers import load_weights, make_spec, synthetic_rows, tiny_policy_at
 
 from batchrl.config.models import CriticConfig
 from batchrl.trainer import run_update
@@ -27,11 +27,7 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_policy(workdir) -> Path:
-    from batchrl_toy import build_toy_model
-
-    out = workdir / "policy_in"
-    build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)
-    return out
+    return tiny_policy_at(workdir / "policy_in")
 
 
 @pytest.fixture(scope="module")
