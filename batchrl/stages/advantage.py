@@ -343,6 +343,7 @@ class AdvantageWorker(ShardWorker):
         counts = (
             summarize_advantages(out) | gae_counts | {"groups_filtered": 0, "logprobs_missing": missing_logprobs(out)}
         )
+        counts |= policy_version_counts(out)
         if shard.reward_kl_N is not None:
             counts["reward_kl_token_mean_sum"] = float((shard.reward_kl_N / np.maximum(shard.lengths_N, 1.0)).sum())
         return out, counts

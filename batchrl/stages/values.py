@@ -26,8 +26,6 @@ import pyarrow as pa
 from batchrl.config import PipelineConfig
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import POLICY, STAGE_PROVIDERS, ActorNeed, Stage, StageContext, StageOutput
-from batchrl.storage import is_local
-from batchrl.storage.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +58,7 @@ class ValuesStage(Stage):
 
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
         path = cfg.critic.model_path
-        return [("critic.model_path", path)] if path is not None and is_local(path) and "/" in path else []
-
-    def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
-        return dict(manifest.stats)
+        return [] if path is None else [("critic.model_path", path)]
 
     def run(self, ctx: StageContext) -> StageOutput:
         critic = ctx.cfg.critic
@@ -118,7 +113,13 @@ class ValuesWorker(ShardWorker):
         from batchrl.trainer.critic import response_values
 
         samples = group_samples(table)
-        flat = response_values(self.model, samples, pad_token_id=self.pad_token_id, max_tokens=MAX_TOKENS_PER_FORWARD)
+        flat = response_values(
+            self.model,
+            samples,
+            pad_token_id=self.pad_token_id,
+            max_tokens=MAX_TOKENS_PER_FORWARD,
+            share_prompt=self.share_prompt,
+        )
         offsets = samples.response_offsets_N1
         per_sample = [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(samples.num_samples)]
         sizes = [len(group) for group in table.column("response_token_ids").to_pylist()]

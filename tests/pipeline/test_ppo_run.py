@@ -99,6 +99,7 @@ def test_warm_up_trains_the_critic_alone_then_both_train(ppo_run, toy_model_dir)
         for name in ("critic/returns/mean", "critic/values/mean"):
             assert np.isfinite(m[name]), name
     assert metrics[1]["critic/optimizer_state_restored"] == 1.0
+    assert [m["update/policy_lag_max"] for m in metrics] == [0.0, 0.0]  # strict order: no lag
     # the warm-up carried the policy's weights forward; iteration 1 moved them
     initial = load_file(Path(toy_model_dir) / "model.safetensors")
     before = load_file(policy0 / "model.safetensors")

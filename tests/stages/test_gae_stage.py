@@ -172,3 +172,21 @@ def test_values_with_a_shared_prompt_equal_values_without(toy_model_dir):
     alone = response_values(model, samples, pad_token_id=0, max_tokens=64)
     packed = response_values(model, samples, pad_token_id=0, max_tokens=64, share_prompt=True)
     np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_the_values_worker_packs_a_prompts_samples_with_update_share_prompt(toy_model_dir, monkeypatch):
+    from batchrl.stages.values import ValuesWorker
+    from batchrl.trainer import critic
+
+    asked = []
+    original = critic.response_values
+    monkeypatch.setattr(
+        critic, "response_values", lambda *a, **kw: asked.append(kw["share_prompt"]) or original(*a, **kw)
+    )
+    table = group_table([[(1.0, [5, 6, 7], [0, 0, 0]), (0.0, [9], [0])]]).drop_columns(["values"])
+    for share_prompt in (True, False):
+        out, counts = ValuesWorker(
+            policy=toy_model_dir, model_path=None, seed=3, cuda=False, share_prompt=share_prompt
+        ).process(table)
+        assert [len(v) for v in out.column("values").to_pylist()[0]] == [3, 1] and counts["value_tokens"] == 4
+    assert asked == [True, False]
