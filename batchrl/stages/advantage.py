@@ -137,21 +137,21 @@ class RewardKL:
     def __call__(self, groups: ShardGroups) -> np.ndarray:
         if groups.rewards_PG.size == 0:
             return np.zeros_like(groups.rewards_PG)
-        kl_flat, offsets_N1 = self.token_kl(groups.table, num_samples=groups.rewards_PG.size)
-        # Per-sample sums; samples keep explode_groups' row-major [P, n] order, and empty responses sum to 0.
-        summed_N = np.diff(np.concatenate([[0.0], np.cumsum(kl_flat)])[offsets_N1])
-        return summed_N.reshape(groups.rewards_PG.shape)
+        from batchrl.trainer.data import sample_sums
 
-    def token_kl(self, table: pa.Table, *, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+        kl_flat, offsets_N1 = self.token_kl(groups.table)
+        return sample_sums(kl_flat, offsets_N1).reshape(groups.rewards_PG.shape)  # samples in row-major [P, n] order
+
+    def token_kl(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         """(per-token KL of every response token of a group table's samples, row-major, flat float64; the offsets
         of each sample's tokens in it)."""
         import torch
 
         from batchrl.algorithms.kl import kl_penalty
-        from batchrl.trainer.data import samples_from_table
+        from batchrl.trainer.data import samples_from_groups
         from batchrl.trainer.reference import response_logprobs
 
-        samples = samples_from_table(explode_groups(table, np.zeros(num_samples)))
+        samples = samples_from_groups(table)
         behaviour = samples.flat_rollout_logprobs()
         if len(behaviour) != int(samples.response_offsets_N1[-1]):
             raise DataError(
@@ -243,10 +243,12 @@ def gae_shard(table: pa.Table, cfg: AdvantageConfig, reward_kl: RewardKL | None)
         values_NT[i, : lengths_N[i]] = sample_values
     kl_NT, reward_kl_N = None, None
     if reward_kl is not None and len(scores_N):
-        kl_flat, offsets_N1 = reward_kl.token_kl(table, num_samples=len(scores_N))
+        from batchrl.trainer.data import sample_sums
+
+        kl_flat, offsets_N1 = reward_kl.token_kl(table)
         kl_NT = np.zeros(mask_NT.shape)
         kl_NT[mask_NT] = kl_flat  # row-major: sample i's tokens in order, as the flat layout
-        reward_kl_N = np.diff(np.concatenate([[0.0], np.cumsum(kl_flat)])[offsets_N1])
+        reward_kl_N = sample_sums(kl_flat, offsets_N1)
     rewards_NT = token_level_rewards(
         scores_N, lengths_N, num_tokens=num_tokens, kl_NT=kl_NT, kl_coef=cfg.kl_in_reward_coef
     )

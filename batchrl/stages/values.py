@@ -111,8 +111,9 @@ class ValuesWorker(ShardWorker):
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         from batchrl.trainer.critic import response_values
+        from batchrl.trainer.data import samples_from_groups
 
-        samples = group_samples(table)
+        samples = samples_from_groups(table)
         flat = response_values(
             self.model,
             samples,
@@ -128,29 +129,6 @@ class ValuesWorker(ShardWorker):
         out = table.append_column("values", pa.array(grouped, pa.list_(pa.list_(pa.float32()))))
         counts = {"samples": samples.num_samples, "value_tokens": float(len(flat))}
         return out, counts
-
-
-def group_samples(table: pa.Table):
-    """The samples of a table of prompt groups (one row per group, list columns of its samples), row-major, as the
-    trainer's `Samples` (no advantages: zeros)."""
-    from batchrl.trainer.data import Samples
-
-    prompts = table.column("prompt_token_ids").to_pylist()
-    groups = table.column("response_token_ids").to_pylist()
-    ids = table.column("prompt_id").to_pylist()
-    responses = [response for group in groups for response in group]
-    offsets = np.zeros(len(responses) + 1, dtype=np.int64)
-    np.cumsum([len(r) for r in responses], out=offsets[1:])
-    return Samples(
-        prompt_ids=[pid for pid, group in zip(ids, groups) for _ in group],
-        sample_idx=[k for group in groups for k in range(len(group))],
-        prompt_token_ids=[prompt for prompt, group in zip(prompts, groups) for _ in group],
-        response_token_ids=responses,
-        rollout_logprobs=[[] for _ in responses],
-        advantages_N=np.zeros(len(responses)),
-        group_N=np.repeat(np.arange(len(groups)), [len(g) for g in groups]).astype(np.int64),
-        response_offsets_N1=offsets,
-    )
 
 
 def values_stages(cfg: PipelineConfig) -> list[type[Stage]]:

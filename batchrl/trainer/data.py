@@ -103,6 +103,38 @@ class Samples:
         return np.concatenate(pieces + [np.zeros(0, dtype=np.float32)])
 
 
+def samples_from_groups(table: pa.Table) -> Samples:
+    """The samples of a table of prompt groups (rollouts, scores: one row per group, list columns of its samples),
+    row-major (groups in order, samples in their group), as Python lists; advantages zero. What a stage scores with
+    a model before advantages exist (the reference log-probs of KL in the reward, the critic's values), without
+    exploding every column of the table into one row per sample."""
+    prompts = table.column("prompt_token_ids").to_pylist()
+    groups = table.column("response_token_ids").to_pylist()
+    ids = table.column("prompt_id").to_pylist()
+    responses = [response for group in groups for response in group]
+    if "response_logprobs" in table.column_names:
+        logprobs = [lp or [] for group in table.column("response_logprobs").to_pylist() for lp in group]
+    else:
+        logprobs = [[] for _ in responses]
+    offsets = np.zeros(len(responses) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in responses], out=offsets[1:])
+    return Samples(
+        prompt_ids=[pid for pid, group in zip(ids, groups) for _ in group],
+        sample_idx=[k for group in groups for k in range(len(group))],
+        prompt_token_ids=[prompt for prompt, group in zip(prompts, groups) for _ in group],
+        response_token_ids=responses,
+        rollout_logprobs=logprobs,
+        advantages_N=np.zeros(len(responses)),
+        group_N=np.repeat(np.arange(len(groups)), [len(g) for g in groups]).astype(np.int64),
+        response_offsets_N1=offsets,
+    )
+
+
+def sample_sums(flat: np.ndarray, offsets_N1: np.ndarray) -> np.ndarray:
+    """Per-sample sums of a flat per-token array laid out by ``offsets_N1`` (an empty response sums to 0)."""
+    return np.diff(np.concatenate([[0.0], np.cumsum(flat)])[offsets_N1])
+
+
 def samples_from_table(table: pa.Table) -> Samples:
     """The rows of a table with the advantages-table columns, in its order, as Python lists."""
     columns = table.to_pydict()

@@ -144,9 +144,9 @@ def test_a_run_killed_in_iteration_1_resumes_to_the_values_and_weights_of_an_uni
 def test_a_warm_start_continues_the_critic_of_the_run_it_starts_from(tmp_path, uninterrupted, probe_dir):
     import torch
 
-    from batchrl.stages.values import group_samples
     from batchrl.storage import read_parquet
     from batchrl.trainer.critic import load_critic, response_values
+    from batchrl.trainer.data import samples_from_groups
 
     path, earlier = uninterrupted
     cli_ok(
@@ -170,7 +170,7 @@ def test_a_warm_start_continues_the_critic_of_the_run_it_starts_from(tmp_path, u
     for part in parts:
         table = read_parquet(str(part))
         with torch.no_grad():
-            flat = response_values(critic, group_samples(table), pad_token_id=0, max_tokens=8192)
+            flat = response_values(critic, samples_from_groups(table), pad_token_id=0, max_tokens=8192)
         stored = [v for group in table.column("values").to_pylist() for sample in group for v in sample]
         np.testing.assert_allclose(stored, flat, rtol=1e-5, atol=1e-6)
     assert read_metrics(run)[0]["critic/optimizer_state_restored"] == 0.0  # weights carry over, moments do not

@@ -109,7 +109,7 @@ def test_gae_over_shards_equals_gae_and_whitening_of_the_whole_batch():
 class TokenKL:
     """The reference model's per-token KL (RewardKL.token_kl) as a fixed 0.5 a token, for the arithmetic."""
 
-    def token_kl(self, table, *, num_samples):
+    def token_kl(self, table):
         lengths = [len(t) for group in table.column("response_token_ids").to_pylist() for t in group]
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         return np.full(int(offsets[-1]), 0.5), offsets
@@ -149,12 +149,12 @@ def test_a_fresh_value_head_is_drawn_from_the_seed_and_a_saved_critic_is_continu
 
 
 def test_values_are_read_at_the_position_before_each_response_token(toy_model_dir):
-    from batchrl.stages.values import group_samples
     from batchrl.trainer.critic import load_critic, response_values
+    from batchrl.trainer.data import samples_from_groups
 
     model = load_critic(toy_model_dir, seed=3).eval()
     table = group_table([[(1.0, [5, 6, 7], [0, 0, 0]), (0.0, [9], [0])], [(0.0, [4, 4], [0, 0]), (1.0, [], [])]])
-    samples = group_samples(table)
+    samples = samples_from_groups(table)
     flat = response_values(model, samples, pad_token_id=0, max_tokens=4)  # a small budget: several micro-batches
     with torch.no_grad():
         direct = model(input_ids=torch.tensor([[1, 2, 5, 6, 7]])).logits[0, :, 0]
@@ -163,12 +163,12 @@ def test_values_are_read_at_the_position_before_each_response_token(toy_model_di
 
 
 def test_values_with_a_shared_prompt_equal_values_without(toy_model_dir):
-    from batchrl.stages.values import group_samples
     from batchrl.trainer.critic import load_critic, response_values
+    from batchrl.trainer.data import samples_from_groups
 
     model = load_critic(toy_model_dir, seed=3).eval()
     table = group_table([[(1.0, [5, 6, 7], [0, 0, 0]), (0.0, [9], [0]), (0.0, [9, 8], [0, 0])], [(1.0, [4], [0])]])
-    samples = group_samples(table)
+    samples = samples_from_groups(table)
     alone = response_values(model, samples, pad_token_id=0, max_tokens=64)
     packed = response_values(model, samples, pad_token_id=0, max_tokens=64, share_prompt=True)
     np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
