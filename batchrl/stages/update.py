@@ -79,8 +79,7 @@ class UpdateStage(Stage):
     def check_inputs(self, cfg: PipelineConfig) -> None:
         cluster = cfg.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
         check_rank_devices(cfg.update, cluster=cluster)
-        local = cfg.update.launcher == "local" or (cfg.update.launcher == "auto" and not cluster)
-        if needs_split(cfg, local_launcher=local):
+        if needs_split(cfg, local_launcher=_local_ranks(cfg.update, cluster=cluster)):
             overlap_gpu_split(cfg, visible_gpus())  # the engines and the ranks each get GPUs of their own, or exit 2
 
     @classmethod
@@ -257,13 +256,17 @@ def rank_count(u: UpdateConfig, *, on_ray: bool) -> int:
     return max(1, int(usable_cpus() // u.cpus_per_rank))
 
 
+def _local_ranks(u: UpdateConfig, *, cluster: bool) -> bool:
+    """Whether the ranks will be processes on this host (before Ray is up: auto is local off a cluster)."""
+    return u.launcher == "local" or (u.launcher == "auto" and not cluster)
+
+
 def check_rank_devices(u: UpdateConfig, *, cluster: bool) -> None:
     """ConfigError when update.num_processes asks for more ranks on this host than it has GPUs (nccl, local
     launcher): ranks past the last GPU would die with "invalid device ordinal" after generation had run."""
     from batchrl.trainer.spec import resolve_backend
 
-    local = u.launcher == "local" or (u.launcher == "auto" and not cluster)
-    if u.num_processes == "auto" or not local or resolve_backend(u.backend) != "nccl":
+    if u.num_processes == "auto" or not _local_ranks(u, cluster=cluster) or resolve_backend(u.backend) != "nccl":
         return
     import torch
 

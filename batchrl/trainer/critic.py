@@ -140,7 +140,7 @@ def train_critic(model, optimizer, index, reader, *, spec, ctx: Dist, pad_token_
 
 def _critic_step(model, optimizer, index, reader, indices, *, spec, ctx: Dist, pad_token_id: int):
     from batchrl.trainer.logprobs import own_share
-    from batchrl.trainer.training import clip_gradients
+    from batchrl.trainer.training import clipped_step
 
     critic = spec.critic
     loss_tokens = index.loss_tokens_N[indices]
@@ -189,12 +189,7 @@ def _critic_step(model, optimizer, index, reader, indices, *, spec, ctx: Dist, p
             f"critic value loss is {total['vf_loss']} (NaN/inf); aborting before the optimizer step. Check the "
             "advantages table's values and returns"
         )
-    grad_norm = clip_gradients(model, max_grad_norm=critic.max_grad_norm)
-    if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"critic gradient norm is {grad_norm} (NaN/inf); aborting before the step")
-    for group in optimizer.param_groups:
-        group["lr"] = critic.lr
-    optimizer.step()
+    grad_norm = clipped_step(model, optimizer, max_grad_norm=critic.max_grad_norm, lr=critic.lr, what="critic ")
     return {
         "critic/vf_loss": total["vf_loss"],
         "critic/vf_clipfrac": total["clipped"] / max(total["tokens"], 1.0),

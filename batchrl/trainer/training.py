@@ -152,16 +152,25 @@ def optimizer_step(
             "aborting before the optimizer step. Check the advantages table and, with old_logprobs='rollout' or "
             "rollout_is_cap, the engine logprobs for NaN/inf values"
         )
-    grad_norm = clip_gradients(model, max_grad_norm=spec.update.max_grad_norm)
+    grad_norm = clipped_step(model, optimizer, max_grad_norm=spec.update.max_grad_norm, lr=lr)
+    return metrics_of_step(total, spec=spec, num_tokens=num_tokens, grad_norm=grad_norm)
+
+
+def clipped_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float, lr: float, what: str = ""
+) -> float:
+    """Clip the accumulated gradients, refuse a non-finite norm before anything changes, step at ``lr``; returns the
+    pre-clip norm. The actor's steps and the critic's (``what``: "critic ") end the same way."""
+    grad_norm = clip_gradients(model, max_grad_norm=max_grad_norm)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(
-            f"gradient norm is {grad_norm} (NaN/inf); aborting before the optimizer step. Lower lr or check "
+            f"{what}gradient norm is {grad_norm} (NaN/inf); aborting before the optimizer step. Lower lr or check "
             "the inputs for extreme values"
         )
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
-    return metrics_of_step(total, spec=spec, num_tokens=num_tokens, grad_norm=grad_norm)
+    return grad_norm
 
 
 def metrics_of_step(
