@@ -678,7 +678,9 @@ class EvaluateConfig(_Strict):
 
 class RayConfig(_Strict):
     address: str | None = Field(
-        None, description="Ray cluster address; default: $RAY_ADDRESS, else an embedded local Ray."
+        None,
+        description="Ray cluster address; default: $RAY_ADDRESS, else an embedded local Ray of the run's own, also "
+        "when a cluster started with `ray start` runs on this machine (auto: join that one).",
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs for the embedded local Ray (default: all).")
 

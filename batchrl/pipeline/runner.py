@@ -835,7 +835,11 @@ def iteration_metrics(
 
 @contextlib.contextmanager
 def _ray_session(runner: Runner, *, needed: bool = True) -> Iterator[None]:
-    """Embedded local Ray (or the cluster at ray.address / $RAY_ADDRESS); not started when nothing will run."""
+    """Embedded local Ray (or the cluster at ray.address / $RAY_ADDRESS); not started when nothing will run.
+
+    The embedded Ray is always the run's own (``address="local"``): ray.init() without an address joins the cluster
+    that the last `ray start` on this machine recorded (/tmp/ray/ray_current_cluster), so with one up every run
+    failed (num_cpus is refused when joining) or, without ray.num_cpus, ran on it as if it were the run's own."""
     import ray
     from ray.data import DataContext
 
@@ -858,6 +862,7 @@ def _ray_session(runner: Runner, *, needed: bool = True) -> Iterator[None]:
                     gpus = {"num_gpus": len(engines)}
                     logger.info("GPUs %s for the engines, %s for the update (run.max_staleness)", engines, ranks)
                 ray.init(
+                    address="local",
                     num_cpus=cfg.ray.num_cpus,
                     include_dashboard=False,
                     logging_level=logging.WARNING,

@@ -3,6 +3,7 @@ as Ray actors that stage their own inputs from and upload their outputs to a run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +24,12 @@ from batchrl.storage import resolve
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def ray_cluster(s3_env) -> dict[str, str]:
-    """The environment that connects to a one-node Ray cluster of 4 CPUs (RAY_ADDRESS and its own auth token), in
-    its own temp dir (so no other `ray.init()` on this machine finds it) and process group (so stopping it touches
-    no other Ray instance). Its workers see the test S3 and the test reward module, as a configured cluster's
-    nodes would."""
-    temp_dir = tempfile.mkdtemp(prefix="brl-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+@contextlib.contextmanager
+def ray_head(temp_dir: Path, *, num_cpus: int, env: dict[str, str]) -> Iterator[str]:
+    """A one-node Ray cluster started with `ray start --head` in ``temp_dir``, where it records its address as it does
+    in /tmp/ray by default, and in its own process group (so stopping it touches no other Ray instance); yields
+    that address."""
     ray_cli = Path(sys.executable).with_name("ray")
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
     head = subprocess.Popen(
         [
             str(ray_cli),
@@ -38,25 +37,40 @@ def ray_cluster(s3_env) -> dict[str, str]:
             "--head",
             "--block",
             f"--port={free_port()}",
-            "--num-cpus=4",
+            f"--num-cpus={num_cpus}",
             "--include-dashboard=false",
             "--disable-usage-stats",
             f"--temp-dir={temp_dir}",
         ],
-        env={**os.environ, **s3_env, **auth, "PYTHONPATH": pythonpath()},
+        env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    address_file = Path(temp_dir) / "ray_current_cluster"
+    address_file = temp_dir / "ray_current_cluster"
     deadline = time.monotonic() + 60
     while not address_file.exists():
         if time.monotonic() > deadline or head.poll() is not None:
             _stop(head)
             raise RuntimeError(f"the Ray head node did not start (exit code {head.poll()}); logs in {temp_dir}")
         time.sleep(0.2)
-    yield {"RAY_ADDRESS": address_file.read_text().strip(), **auth}
-    _stop(head)
+    try:
+        yield address_file.read_text().strip()
+    finally:
+        _stop(head)
+
+
+@pytest.fixture
+def ray_cluster(s3_env) -> dict[str, str]:
+    """The environment that connects to a one-node Ray cluster of 4 CPUs (RAY_ADDRESS and its own auth token), in
+    its own temp dir (so no other `ray.init()` on this machine finds it). Its workers see the test S3 and the test
+    reward module, as a configured cluster's nodes would."""
+    temp_dir = tempfile.mkdtemp(prefix="brl-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+    with ray_head(
+        Path(temp_dir), num_cpus=4, env={**os.environ, **s3_env, **auth, "PYTHONPATH": pythonpath()}
+    ) as address:
+        yield {"RAY_ADDRESS": address, **auth}
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -147,3 +161,22 @@ def test_ppo_on_a_ray_cluster_moves_the_critic_and_its_optimizer_state_through_o
     assert fs.exists(f"{policy}/_trainer_state/critic/optimizer/__1_0.distcp")
     manifest = read_json(f"{run_dir}/iter_0001/policy/_MANIFEST.json")
     assert "critic/model.safetensors" in {part["name"] for part in manifest["parts"]}
+
+
+@pytest.fixture
+def ray_started_on_this_machine() -> dict[str, str | None]:
+    """The environment of a run on a machine where `ray start --head --num-cpus=1` was run: the cluster's address is
+    recorded in $RAY_TMPDIR/ray/ray_current_cluster, where ray.init() looks (here a directory of the test's own, not
+    /tmp/ray, which other Ray users of this machine read), and RAY_ADDRESS is not set."""
+    temp_root = tempfile.mkdtemp(prefix="brl-ray-", dir="/tmp")
+    with ray_head(Path(temp_root) / "ray", num_cpus=1, env={**os.environ, "PYTHONPATH": pythonpath()}):
+        yield {"RAY_TMPDIR": temp_root, "RAY_ADDRESS": None}
+    shutil.rmtree(temp_root, ignore_errors=True)
+
+
+def test_a_run_on_the_embedded_ray_is_not_disturbed_by_a_ray_cluster_started_on_the_same_machine(
+    tmp_path, pipeline, ray_started_on_this_machine
+):
+    result = cli_ok("run", pipeline(), env=ray_started_on_this_machine)
+    assert (tmp_path / "runs" / "tiny" / "iter_0000" / "policy" / "_MANIFEST.json").exists()
+    assert "Ray worker(s)" not in result.stderr  # its own Ray: the update's ranks are local processes
