@@ -524,11 +524,6 @@ class Runner:
         cfg, sources = self._narrowed_config() if stage.reads_train_files else (self.cfg, [])
         if cfg is None:
             return None
-        damaged = step.manifest if step.status == "damaged" else None
-        if step.status == "outdated":
-            logger.warning("%s: made from an input that has since been redone or replaced; redoing it", step.label)
-            _remove(step.output_dir)
-        self._prepare_output_dir(step, stage)
         ctx = StageContext(
             cfg=cfg,
             layout=self.layout,
@@ -541,6 +536,12 @@ class Runner:
             embedded_ray=self.embedded_ray,
             behaviour_policy=step.behaviour_policy,
         )
+        stage.check_ready(ctx)  # before anything of the step's old output is removed
+        damaged = step.manifest if step.status == "damaged" else None
+        if step.status == "outdated":
+            logger.warning("%s: made from an input that has since been redone or replaced; redoing it", step.label)
+            _remove(step.output_dir)
+        self._prepare_output_dir(step, stage)
         logger.info("%s: running%s", step.label, f" (redoing damaged {damaged_names(step)})" if damaged else "")
         started = time.time()
         output = stage.run(ctx)

@@ -110,6 +110,11 @@ class Stage:
     def preflight(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> None:
         """Checks against the once-per-run tables (``tables``: their manifests), before any iteration runs."""
 
+    def check_ready(self, ctx: StageContext) -> None:
+        """Checks of what this step reads that need no work (DataError / ConfigError), made before the runner clears or
+        marks its output directory: a step that cannot run stops the run with its old output still there (update:
+        the optimizer state it continues is there and intact)."""
+
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
         """(config field, URI) of what the stage reads from outside the run: local ones must be shared on a
         cluster of several nodes."""

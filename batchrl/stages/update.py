@@ -82,6 +82,9 @@ class UpdateStage(Stage):
         if needs_split(cfg, local_launcher=_local_ranks(cfg.update, cluster=cluster)):
             overlap_gpu_split(cfg, visible_gpus())  # the engines and the ranks each get GPUs of their own, or exit 2
 
+    def check_ready(self, ctx: StageContext) -> None:
+        _recorded_trainer_state(ctx)  # a state it cannot continue stops the run before its old output is cleared
+
     @classmethod
     def close(cls) -> None:
         from batchrl.trainer import shutdown_trainers
@@ -115,8 +118,9 @@ class UpdateStage(Stage):
         resident = ctx.cfg.update.trainer_lifetime == "run" and not on_ray
         if not resident:
             shutdown_trainers()  # ranks left resident by an earlier configuration in this process
-        _prune_trainer_states(ctx)
-        state = _recorded_trainer_state(ctx) if ctx.cfg.update.keep_last_k_optimizer_states != 0 else None
+        state = _recorded_trainer_state(ctx)
+        _log_trainer_state(ctx, state)
+        _prune_trainer_states(ctx)  # after the check: a refused update deletes nothing its redo would need
         try:
             if sum(part.rows for part in ctx.inputs["advantages"].parts) == 0:
                 return _carry_policy_forward(ctx, state)
@@ -435,12 +439,15 @@ def _norm_length(cfg: PipelineConfig) -> int | None:
 
 def _recorded_trainer_state(ctx: StageContext) -> RecordedState | None:
     """The optimizer state saved with this iteration's input policy, for the update to continue from (iterations > 0).
+    Reads the manifest and lists the state's files, nothing else: the runner asks it before it clears the update's
+    output directory (`check_ready`), and the update again when it starts.
 
     None where the update starts from fresh moments by design: iteration 0 (model.path, or a warm start from another
-    run's policy: `run.init_from` carries weights, not optimizer state), or an input policy whose update saved no
-    state (it had no rows to train on). A state the manifest records but that is gone, or whose files have another
-    size, is a DataError: restarting AdamW from zero moments would silently train differently."""
-    if not ctx.iteration:
+    run's policy: `run.init_from` carries weights, not optimizer state), update.keep_last_k_optimizer_states 0, or an
+    input policy whose update saved no state (it had no rows to train on). A state the manifest records but that is
+    gone, or whose files have another size, is a DataError: restarting AdamW from zero moments would silently train
+    differently."""
+    if not ctx.iteration or ctx.cfg.update.keep_last_k_optimizer_states == 0:
         return None
     uri = join(ctx.policy_in, TRAINER_STATE_DIR)
     manifest = read_manifest(ctx.policy_in)
@@ -451,25 +458,31 @@ def _recorded_trainer_state(ctx: StageContext) -> RecordedState | None:
             f"--iteration {ctx.iteration - 1}"
         )
     if manifest.trainer_state == []:
+        return None
+    problem = _state_problem(uri, manifest.trainer_state)
+    if problem is not None:
+        raise _unusable_state(ctx, uri, *problem)
+    if manifest.trainer_state is None:
+        return RecordedState(uri=uri, sha256=None)
+    return RecordedState(uri=uri, sha256={_state_name(p): p.sha256 for p in manifest.trainer_state})
+
+
+def _log_trainer_state(ctx: StageContext, state: RecordedState | None) -> None:
+    """Says when an update restarts AdamW after one that saved no state, or continues a state it cannot verify."""
+    if state is None and ctx.iteration and ctx.cfg.update.keep_last_k_optimizer_states != 0:
         logger.info(
             "iteration %d: the update of %s saved no optimizer state (nothing to train on); AdamW starts "
             "from zero moments",
             ctx.iteration,
             ctx.policy_in,
         )
-        return None
-    problem = _state_problem(uri, manifest.trainer_state)
-    if problem is not None:
-        raise _unusable_state(ctx, uri, *problem)
-    if manifest.trainer_state is None:
+    elif state is not None and state.sha256 is None:
         logger.warning(
             "iteration %d: %s records no checksums of its optimizer state (written by an earlier batchrl): "
             "it is loaded unverified",
             ctx.iteration,
             ctx.policy_in,
         )
-        return RecordedState(uri=uri, sha256=None)
-    return RecordedState(uri=uri, sha256={_state_name(p): p.sha256 for p in manifest.trainer_state})
 
 
 def _state_name(part: PartInfo) -> str:

@@ -332,13 +332,14 @@ def test_an_update_whose_optimizer_state_is_gone_stops_with_the_iteration_to_red
 def test_an_update_restarts_adam_only_after_an_update_that_saved_no_state_and_trusts_older_manifests_unverified(
     tmp_path, caplog
 ):
-    from batchrl.stages.update import _recorded_trainer_state
+    from batchrl.stages.update import _log_trainer_state, _recorded_trainer_state
 
     ctx = stage_context(tmp_path, iteration=1, keep=1)
     committed_policy(Path(ctx.policy_in), state=False)  # iteration 0 had nothing to train on
     assert _recorded_trainer_state(ctx) is None
     committed_policy(Path(ctx.policy_in), state=None)
     state = _recorded_trainer_state(ctx)
+    _log_trainer_state(ctx, state)
     assert state.sha256 is None and "loaded unverified" in caplog.text
 
 

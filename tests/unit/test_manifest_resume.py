@@ -4,6 +4,7 @@ fingerprints the planner computes, so every state is set up exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from batchrl.config import ConfigError, validate_dict
+from batchrl.errors import DataError
 from batchrl.pipeline import lock as lock_module
 from batchrl.pipeline.lineage import files_to_ingest, resolve_lineage
 from batchrl.pipeline.lock import RunLock, RunLockedError, break_lock, holder_state
@@ -262,6 +264,20 @@ def test_readers_that_do_not_record_their_inputs_are_redone_unless_a_repair_left
     (policy / "_MANIFEST.json").unlink()
     redone = redo_update_0(cfg, monkeypatch, rows=5)  # nothing to compare with: the readers cannot be trusted
     assert [label for label, s in redone.items() if s.status != "done"] == READERS_OF_POLICY_0
+
+
+def test_an_update_refused_for_want_of_its_optimizer_state_leaves_the_policy_it_was_to_redo_as_it_was(tmp_path):
+    cfg = config(tmp_path)
+    steps = committed_run(cfg)
+    policy_0 = steps["iter 0 update"]
+    state = PartInfo("_trainer_state/trainer_state.json", 0, "0" * 64, 18)  # recorded, and deleted since (pruned)
+    write_manifest(policy_0.output_dir, dataclasses.replace(policy_0.manifest, trainer_state=[state]))
+    policy_1 = Path(steps["iter 1 update"].output_dir)
+    (policy_1 / "_MANIFEST.json").unlink()  # by hand: iteration 1's update is redone, and it needs that state
+    kept = sorted(p.name for p in policy_1.iterdir())
+    with pytest.raises(DataError, match=r"iter_0000/policy/_trainer_state/trainer_state.json is gone"):
+        Runner(cfg).stage("update", 1)
+    assert sorted(p.name for p in policy_1.iterdir()) == kept
 
 
 def prompt_file(path: Path, ids: list[str]) -> str:
