@@ -13,11 +13,14 @@ outage surfaces as an error that ``is_transient_storage_error`` recognises, whic
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
 import os
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import pyarrow as pa
@@ -119,15 +122,68 @@ def write_parquet_atomic(table: pa.Table, uri: str, *, row_group_rows: int | Non
     return len(data), hashlib.sha256(data).hexdigest()
 
 
+# Why Arrow never reads through a Python object here, or only on the calling thread:
+# Parquet read through a Python file object (or a `bytes`/BytesIO) makes Arrow keep the bytes each read() returned
+# as `arrow::py::PyBuffer`s, and with use_threads its CPU pool decodes the columns in tasks whose closures hold
+# them. The last reference can drop on a pool thread *after* the read has returned (the task's future completes
+# before its closure is destroyed). `~PyBuffer` then takes the GIL; if the interpreter is finalising by then,
+# CPython 3.11 ends that thread with pthread_exit, whose forced unwind through Arrow's noexcept destructor calls
+# std::terminate: SIGABRT at exit, "terminate called without an active exception" (a core dump shows
+# PyGILState_Ensure <- PyBuffer::~PyBuffer <- BufferReader <- SerializedPageReader <- DecodeRowGroups task, while
+# the main thread is in Py_FinalizeEx). Upstream: apache/arrow#50482 (the same race; Python >= 3.13 hangs
+# instead of aborting) and apache/arrow#34314. So: local files are read by path (Arrow owns every buffer), a
+# remote file read whole is copied into Arrow-owned memory first, and a remote file read in place (row groups,
+# `open_parquet`) is decoded on the calling thread only. tests/unit/test_parquet_reads.py checks that no buffer
+# of a Python object is released on another thread.
+
+
 def read_parquet(uri: str, *, columns: list[str] | None = None) -> pa.Table:
     fs, path = resolve(uri)
     try:
-        with fs.open(path, "rb") as f:
-            return pq.read_table(f, columns=columns)
+        if is_local(uri):
+            return pq.read_table(path, columns=columns)
+        return parquet_from_bytes(fs.cat_file(path), columns=columns)
     except FileNotFoundError:
         raise StorageError(f"file not found: {uri}") from None
     except pa.ArrowInvalid as err:
         raise StorageError(f"{uri} is not a readable Parquet file: {err}") from None
+
+
+def parquet_from_bytes(data: bytes, *, columns: list[str] | None = None) -> pa.Table:
+    """A whole Parquet file's bytes as a table, decoded on Arrow's threads from an Arrow-owned copy (see above)."""
+    owned = pa.allocate_buffer(len(data))
+    pa.FixedSizeBufferWriter(owned).write(data)
+    return pq.read_table(pa.BufferReader(owned), columns=columns)
+
+
+class _CallingThreadParquetFile(pq.ParquetFile):
+    """A ParquetFile over a Python file object whose reads decode on the calling thread (see above)."""
+
+    def read(self, *args, **kwargs):
+        return super().read(*args, **(kwargs | {"use_threads": False}))
+
+    def read_row_group(self, *args, **kwargs):
+        return super().read_row_group(*args, **(kwargs | {"use_threads": False}))
+
+    def read_row_groups(self, *args, **kwargs):
+        return super().read_row_groups(*args, **(kwargs | {"use_threads": False}))
+
+    def iter_batches(self, *args, **kwargs):
+        return super().iter_batches(*args, **(kwargs | {"use_threads": False}))
+
+
+@contextlib.contextmanager
+def open_parquet(uri: str, *, metadata: pq.FileMetaData | None = None) -> Iterator[pq.ParquetFile]:
+    """A Parquet file at a local path or any fsspec URI (s3://...), read in place: a local file by path, a remote
+    one by plain range requests (no read-ahead cache: a row group's column chunk is read once, exactly), decoded
+    on the calling thread. A known footer (`metadata`) is not read again."""
+    if is_local(uri):
+        with pq.ParquetFile(uri.removeprefix("file://"), metadata=metadata) as parquet:
+            yield parquet
+        return
+    fs, path = resolve(uri)
+    with fs.open(path, "rb", cache_type="none") as f, _CallingThreadParquetFile(f, metadata=metadata) as parquet:
+        yield parquet
 
 
 def sha256_of(uri: str) -> str:
@@ -137,6 +193,25 @@ def sha256_of(uri: str) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+HASH_THREADS = 16  # files hashed at once by sha256_of_each
+
+
+def sha256_of_each(uris: list[str]) -> list[str | None]:
+    """The sha256 of each file, in order (None for a file that is not there), HASH_THREADS files at a time: an
+    object store's reads wait on the network, and hashlib releases the GIL while it hashes a chunk."""
+
+    def one(uri: str) -> str | None:
+        try:
+            return sha256_of(uri)
+        except FileNotFoundError:
+            return None
+
+    if len(uris) <= 1:
+        return [one(uri) for uri in uris]
+    with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(uris)), thread_name_prefix="sha256") as pool:
+        return list(pool.map(one, uris))
 
 
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz")  # what a directory of prompt files is searched for

@@ -32,10 +32,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchrl.errors import DataError
-from batchrl.storage.fs import file_identities, is_jsonl, resolve
+from batchrl.storage.fs import file_identities, is_jsonl, open_parquet, resolve
 from batchrl.storage.layout import part_name
 
 SPLIT_ROWS = 65_536  # a Parquet row group larger than this is split into slices of at most this many rows
@@ -218,10 +217,8 @@ def read_chunk(chunk: Chunk, *, columns: list[str]) -> list[tuple[int, dict[str,
     why) instead of the record. Parquet: only ``columns`` (those the file has) are read."""
     if chunk.jsonl:
         return list(_jsonl_records(chunk))
-    fs, path = resolve(chunk.uri)
     try:
-        with fs.open(path, "rb") as f:
-            parquet = pq.ParquetFile(f)
+        with open_parquet(chunk.uri) as parquet:
             wanted = [c for c in columns if c in parquet.schema_arrow.names]
             table = parquet.read_row_groups(list(range(chunk.group_start, chunk.group_stop)), columns=wanted)
             before = sum(parquet.metadata.row_group(g).num_rows for g in range(chunk.group_start))
@@ -279,13 +276,17 @@ def lines_starting_in(f, start: int, stop: int, *, block: int = READ_BLOCK_BYTES
             return
 
 
+_JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}  # JSON's names
+
+
 def _json_object(line: bytes) -> dict[str, Any] | str:
     try:
         value = json.loads(line)
     except ValueError as err:
         return f"line is not valid JSON ({err})"
     if not isinstance(value, dict):
-        return f"line is a JSON {type(value).__name__}, expected an object with the prompt's fields"
+        kind = "null" if value is None else _JSON_KINDS[type(value)]
+        return f"line holds {kind}, expected a JSON object with the prompt's fields"
     return value
 
 
@@ -295,8 +296,8 @@ def _read_head(uri: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if is_jsonl(uri):
         return _first_record_keys(uri, fs, path), ()
     try:
-        with fs.open(path, "rb") as f:
-            metadata = pq.read_metadata(f)
+        with open_parquet(uri) as parquet:
+            metadata = parquet.metadata
     except (OSError, pa.ArrowInvalid) as err:
         raise DataError(f"data.train_files: {uri} is not a readable Parquet file ({_first_line(err)})") from None
     columns = tuple(metadata.schema.to_arrow_schema().names)

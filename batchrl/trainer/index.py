@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchrl.storage import is_local, resolve
+from batchrl.storage import open_parquet as storage_open_parquet
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +50,9 @@ SCAN_BATCH_ROWS = 4096  # rows per streamed batch of a list column: bounds a col
 
 @contextlib.contextmanager
 def open_parquet(uri: str, *, metadata: pq.FileMetaData | None = None) -> Iterator[pq.ParquetFile]:
-    """A Parquet file at a local path or any fsspec URI (s3://...), read in place. Remote reads are plain range
-    requests (no read-ahead cache: a row group's column chunk is read once, exactly); a known footer (`metadata`)
-    is not read again."""
+    """An advantages part, read in place (`storage.open_parquet`), with errors that say which input is wrong."""
     try:
-        if is_local(uri):
-            with pq.ParquetFile(uri.removeprefix("file://"), metadata=metadata) as parquet:
-                yield parquet
-            return
-        fs, path = resolve(uri)
-        with fs.open(path, "rb", cache_type="none") as f, pq.ParquetFile(f, metadata=metadata) as parquet:
+        with storage_open_parquet(uri, metadata=metadata) as parquet:
             yield parquet
     except FileNotFoundError:
         raise ValueError(f"advantages part {uri} does not exist; pass the advantage stage's parts") from None
