@@ -567,6 +567,13 @@ class UpdateConfig(_Strict):
         "newest; older ones are deleted. 0 = never save them (Adam restarts "
         "each iteration); None = keep all.",
     )
+    allow_unverified_trainer_state: bool = Field(
+        False,
+        description="Continue an optimizer state whose policy manifest records no sha256 of its files (written by an "
+        "earlier batchrl), unverified. Loading a state unpickles it, so a file changed since it was written could run "
+        "code in the trainer: set this only for a run directory that only trusted people can write. Otherwise such a "
+        "state stops the update with a data error (exit 3). Not part of the update's fingerprint.",
+    )
     timeout_s: float | None = Field(None, gt=0, description="Abort the update if it runs longer than this.")
     trainer_lifetime: Literal["run", "stage"] = Field(
         "run",

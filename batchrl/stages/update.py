@@ -20,7 +20,8 @@ The optimizer state is deliberately NOT among the manifest's parts: keep-last-K 
 treats a listed part that disappeared as damage (it would redo the update). Its files are recorded with their
 sha256 in the manifest's ``trainer_state`` instead, which nothing checks for damage: the next update loads the
 state only if every file hashes as recorded (loading unpickles it, see `batchrl.trainer.integrity`), and stops
-with a data error, never a silent restart from zero moments, when a state it needs is gone.
+with a data error, never a silent restart from zero moments, when a state it needs is gone. A state recorded
+without checksums (by an earlier batchrl) is a data error too, unless update.allow_unverified_trainer_state.
 
 The reference policy of the KL loss is the run's initial policy (``model.path``). Optimizer states older
 than ``update.keep_last_k_optimizer_states`` are deleted when an update starts (never the HF policies):
@@ -95,8 +96,9 @@ class UpdateStage(Stage):
         u = cfg.update
         # Where and how the ranks run, and how long they may take, do not change what they compute.
         placement = {"timeout_s", "trainer_lifetime", "launcher", "cpus_per_rank"}
+        trust = {"allow_unverified_trainer_state"}  # nor does whether a state without checksums may be loaded
         config = {
-            "update": u.model_dump(exclude=placement | {"keep_last_k_optimizer_states", "share_prompt"}),
+            "update": u.model_dump(exclude=placement | trust | {"keep_last_k_optimizer_states", "share_prompt"}),
             "saves_optimizer_state": u.keep_last_k_optimizer_states != 0,
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
@@ -463,6 +465,8 @@ def _recorded_trainer_state(ctx: StageContext) -> RecordedState | None:
     if problem is not None:
         raise _unusable_state(ctx, uri, *problem)
     if manifest.trainer_state is None:
+        if not ctx.cfg.update.allow_unverified_trainer_state:
+            raise _unverifiable_state(ctx, uri)
         return RecordedState(uri=uri, sha256=None)
     return RecordedState(uri=uri, sha256={_state_name(p): p.sha256 for p in manifest.trainer_state})
 
@@ -479,7 +483,7 @@ def _log_trainer_state(ctx: StageContext, state: RecordedState | None) -> None:
     elif state is not None and state.sha256 is None:
         logger.warning(
             "iteration %d: %s records no checksums of its optimizer state (written by an earlier batchrl): "
-            "it is loaded unverified",
+            "it is loaded unverified (update.allow_unverified_trainer_state)",
             ctx.iteration,
             ctx.policy_in,
         )
@@ -529,13 +533,33 @@ def _unusable_state(ctx: StageContext, uri: str, name: str, reason: str) -> Data
     )
 
 
+def _unverifiable_state(ctx: StageContext, uri: str) -> DataError:
+    """The data error for an optimizer state whose writer recorded no checksums, when loading one unverified is not
+    allowed: how to allow it, or the command that redoes the updates from the last one whose input state is
+    verifiable."""
+    redo = (
+        f"batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update --iteration {_first_update_to_redo(ctx)}"
+    )
+    return DataError(
+        f"iteration {ctx.iteration}'s update continues the optimizer state {uri}, whose policy manifest records no "
+        f"sha256 of its files (written by an earlier batchrl), so nothing can tell whether they changed since; "
+        f"loading an optimizer state unpickles it, and a changed file could run code in the trainer, so nothing was "
+        f"run. If only trusted people can write the run directory, allow it: set "
+        f"update.allow_unverified_trainer_state: true (or --set update.allow_unverified_trainer_state=true). "
+        f"Otherwise redo the updates from the last one whose input state is verifiable: {redo}"
+    )
+
+
 def _first_update_to_redo(ctx: StageContext) -> int:
     """The earliest iteration from which the updates can be redone in order: the one after the newest earlier
-    policy whose optimizer state is intact (or saved none), else 0 (which needs no state)."""
+    policy whose optimizer state is intact and, unless update.allow_unverified_trainer_state, recorded with its
+    checksums (or that saved none), else 0 (which needs no state)."""
     for earlier in range(ctx.iteration - 2, -1, -1):
         policy_dir = ctx.layout.table_dir("policy", earlier)
         manifest = read_manifest(policy_dir)
-        if manifest is not None and (
+        if manifest is None or (manifest.trainer_state is None and not ctx.cfg.update.allow_unverified_trainer_state):
+            continue
+        if (
             manifest.trainer_state == []
             or _state_problem(join(policy_dir, TRAINER_STATE_DIR), manifest.trainer_state) is None
         ):

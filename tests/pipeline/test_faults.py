@@ -390,6 +390,28 @@ def test_an_optimizer_state_file_changed_after_it_was_written_is_never_unpickled
     ]
 
 
+def test_an_optimizer_state_recorded_without_checksums_stops_the_run_with_exit_3_unless_unverified_ones_are_allowed(
+    reference,
+):
+    path, expected_run = reference
+    run = copy_run(expected_run, "state-unchecksummed")
+    manifest = run / "iter_0000" / "policy" / "_MANIFEST.json"
+    written = json.loads(manifest.read_text())
+    del written["trainer_state"]
+    manifest.write_text(json.dumps(written))  # as an earlier batchrl wrote it: the state's files, no record of them
+    (run / "iter_0001" / "policy" / "_MANIFEST.json").unlink()  # iteration 1's update is redone: it loads the state
+    stopped = cli("run", path, "--run-id", "state-unchecksummed")
+    assert stopped.returncode == 3, stopped.stderr[-4000:]
+    assert "--set update.allow_unverified_trainer_state=true" in stopped.stderr, stopped.stderr[-4000:]
+    assert (run / "iter_0001" / "policy" / "model.safetensors").exists()  # refused before anything was removed
+
+    allowed = cli_ok(
+        "run", path, "--run-id", "state-unchecksummed", sets=["update.allow_unverified_trainer_state=true"]
+    )
+    assert "loaded unverified" in allowed.stderr
+    assert_same_rows(expected_run, run)  # the same state restored: the same weights
+
+
 UPDATE_RANK = "batchrl.trainer.worker"
 
 

@@ -233,7 +233,7 @@ def test_a_bfloat16_mixed_precision_update_trains_and_saves_float32_weights(work
 # ------------------------------------------------------------------------------ stage housekeeping
 
 
-def stage_context(tmp_path: Path, *, iteration: int, keep: int | None):
+def stage_context(tmp_path: Path, *, iteration: int, keep: int | None, **update):
     from batchrl.config.models import PipelineConfig
     from batchrl.pipeline.stage import StageContext
     from batchrl.storage import RunLayout
@@ -243,7 +243,7 @@ def stage_context(tmp_path: Path, *, iteration: int, keep: int | None):
         run={"root": str(tmp_path), "iterations": 5},
         model={"path": "m"},
         data={"train_files": ["x.parquet"]},
-        update={"keep_last_k_optimizer_states": keep},
+        update={"keep_last_k_optimizer_states": keep, **update},
     )
     layout = RunLayout.for_run(str(tmp_path), "t")
     return StageContext(
@@ -329,18 +329,36 @@ def test_an_update_whose_optimizer_state_is_gone_stops_with_the_iteration_to_red
         _recorded_trainer_state(ctx)  # none left: iteration 0's update is the first that needs none
 
 
-def test_an_update_restarts_adam_only_after_an_update_that_saved_no_state_and_trusts_older_manifests_unverified(
-    tmp_path, caplog
-):
-    from batchrl.stages.update import _log_trainer_state, _recorded_trainer_state
+def test_an_update_restarts_adam_only_after_an_update_that_saved_no_state(tmp_path):
+    from batchrl.stages.update import _recorded_trainer_state
 
     ctx = stage_context(tmp_path, iteration=1, keep=1)
     committed_policy(Path(ctx.policy_in), state=False)  # iteration 0 had nothing to train on
     assert _recorded_trainer_state(ctx) is None
-    committed_policy(Path(ctx.policy_in), state=None)
-    state = _recorded_trainer_state(ctx)
-    _log_trainer_state(ctx, state)
+
+
+def test_an_optimizer_state_recorded_without_checksums_is_refused_unless_unverified_states_are_allowed(
+    tmp_path, caplog
+):
+    from batchrl.errors import DataError
+    from batchrl.stages.update import UpdateStage, _log_trainer_state, _recorded_trainer_state
+
+    for iteration in range(2):
+        committed_policy(Path(stage_context(tmp_path, iteration=iteration, keep=None).output_dir), state=None)
+    ctx = stage_context(tmp_path, iteration=2, keep=None)  # continues iteration 1's state, of an earlier batchrl
+    with pytest.raises(
+        DataError,
+        match=r"iter_0001/policy/_trainer_state, whose policy manifest records no sha256 .* set "
+        r"update.allow_unverified_trainer_state: true .* --from-stage update --iteration 0$",
+    ):
+        UpdateStage().check_ready(ctx)  # iteration 0's state has no checksums either: only update 0 needs none
+
+    allowed = stage_context(tmp_path, iteration=2, keep=None, allow_unverified_trainer_state=True)
+    state = _recorded_trainer_state(allowed)
+    _log_trainer_state(allowed, state)
     assert state.sha256 is None and "loaded unverified" in caplog.text
+    fingerprint = UpdateStage().fingerprint_config
+    assert fingerprint(allowed.cfg) == fingerprint(ctx.cfg)  # allowing it redoes nothing
 
 
 def test_extending_a_run_keeps_update_fingerprints_unless_the_lr_schedule_spans_the_run():
