@@ -3,7 +3,8 @@
 A pure function of (seed, iteration, the prompts table's parts and their row counts): a resumed run, a re-planned
 run and ``--from-stage`` all see the same batch, and no state is carried between iterations.
 
-- Epoch e orders the table's parts by a permutation seeded by (seed, e); rows keep their order inside a part.
+- Epoch e orders the table's parts by a keyed hash of (seed, e, part index) (`shuffle.keyed_order`: the same
+  order under any numpy or Python version); rows keep their order inside a part.
   The epoch's stream is those parts concatenated, and batch b of the epoch is rows [b*B, (b+1)*B) of it.
 - An epoch has floor(N / B) batches (at least 1); the rows after the last whole batch are left out of that epoch,
   as verl's sampler does with drop_last. Another permutation leaves out other rows in the next epoch. So every
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from batchrl.algorithms.shuffle import keyed_order
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ def batches_per_epoch(num_rows: int, batch_size: int | None) -> int:
 
 
 def part_order(num_parts: int, *, seed: int, epoch: int) -> list[int]:
-    """The indices of the parts in epoch ``epoch``'s order: a permutation seeded by (seed, epoch) alone."""
-    return np.random.default_rng([seed, epoch]).permutation(num_parts).tolist()
+    """The indices of the parts in epoch ``epoch``'s order: a permutation keyed by (seed, epoch) alone."""
+    return keyed_order(num_parts, seed=seed, epoch=epoch)
 
 
 def iteration_batch(parts: list[tuple[str, int]], *, seed: int, iteration: int, batch_size: int | None) -> Batch:

@@ -7,7 +7,8 @@ need to agree on: the number of micro-batches (ranks with fewer get empty ones, 
 forward/backward is a collective) and the global token and sequence counts that normalise the loss.
 
 - Mini-batches (`mini_batches`): like verl's `ppo_mini_batch_size`, counted in PROMPTS (groups). Each
-  epoch shuffles the groups with a generator seeded by (seed, epoch), then cuts them into consecutive
+  epoch shuffles the groups by a keyed hash of (seed, epoch, group) (`batchrl.algorithms.shuffle`: the same
+  order under any numpy version, as the prompt batches), then cuts them into consecutive
   mini-batches of `groups_per_mini_batch`; the last one may be smaller. One optimizer step per mini-batch.
 - Packs (`prompt_packs`, with update.share_prompt): samples of one prompt that share one row, the prompt
   computed once; the micro-batch planner then places packs as it would place samples.
@@ -33,6 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from batchrl.algorithms.shuffle import keyed_order
+
 logger = logging.getLogger(__name__)
 
 # The fixed cost of one more micro-batch (kernel launches, FSDP all-gathers), as a fraction of a full budget.
@@ -42,7 +45,7 @@ MICRO_BATCH_OVERHEAD = 1 / 32
 def mini_batches(
     group_of_sample_N: Sequence[int], *, groups_per_mini_batch: int | None, seed: int, epoch: int
 ) -> list[np.ndarray]:
-    """Sample indices of each mini-batch of one epoch, groups shuffled by a generator seeded (seed, epoch).
+    """Sample indices of each mini-batch of one epoch, groups shuffled by a hash keyed by (seed, epoch) (`keyed_order`).
 
     `group_of_sample_N[i]` is the group (prompt) number of sample i. None = one mini-batch with every sample.
     Samples keep their table order inside a mini-batch; a group is never split.
@@ -53,7 +56,7 @@ def mini_batches(
     groups = np.unique(group_of_sample_N)
     if groups_per_mini_batch is None or groups_per_mini_batch >= len(groups):
         return [np.arange(len(group_of_sample_N))]
-    shuffled = np.random.default_rng([seed, epoch]).permutation(groups)
+    shuffled = groups[keyed_order(len(groups), seed=seed, epoch=epoch)]
     batches = []
     for start in range(0, len(shuffled), groups_per_mini_batch):
         chosen = np.isin(group_of_sample_N, shuffled[start : start + groups_per_mini_batch])

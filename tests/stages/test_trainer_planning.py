@@ -36,6 +36,16 @@ def test_mini_batches_hold_whole_prompt_groups_and_reshuffle_each_epoch():
     assert [b.tolist() for b in epoch_0] != [b.tolist() for b in epoch_1]
 
 
+def test_the_mini_batches_of_a_known_seed_stay_what_they_were_when_pinned():
+    """Computed once (`shuffle.keyed_order`): a change moves samples between the optimizer steps of every run."""
+    group_N = np.repeat(np.arange(10), 4)
+    groups = [
+        [sorted(set(group_N[b].tolist())) for b in mini_batches(group_N, groups_per_mini_batch=3, seed=7, epoch=epoch)]
+        for epoch in (0, 1)
+    ]
+    assert groups == [[[1, 2, 4], [0, 5, 6], [3, 7, 9], [8]], [[0, 2, 8], [4, 5, 9], [1, 3, 6], [7]]]
+
+
 def test_no_mini_batch_size_or_one_covering_every_prompt_gives_one_mini_batch_in_table_order():
     group_N = np.repeat(np.arange(3), 2)
     for size in (None, 3, 100):

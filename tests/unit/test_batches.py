@@ -38,6 +38,17 @@ def test_a_batch_is_a_window_of_the_epochs_permuted_stream_of_parts():
     assert (batch.epoch, batch.index_in_epoch, batch.batches_per_epoch, batch.rows) == (0, 1, 3, 4)
 
 
+def test_the_batches_of_a_known_seed_stay_what_they_were_when_pinned():
+    """Computed once (`shuffle.keyed_order`): a change moves prompts between the iterations of every existing run."""
+    assert part_order(len(PARTS), seed=11, epoch=0) == [3, 2, 0, 1]
+    assert [iteration_batch(PARTS, seed=11, iteration=i, batch_size=4).slices for i in range(4)] == [
+        (Slice("p3", 0, 4),),
+        (Slice("p3", 4, 5), Slice("p2", 0, 3)),
+        (Slice("p2", 3, 4), Slice("p0", 0, 3)),
+        (Slice("p1", 0, 2), Slice("p3", 0, 2)),  # epoch 1: another order
+    ]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_each_epoch_covers_distinct_prompts_in_batches_of_exactly_the_size(seed):
     everything = {(name, row) for name, rows in PARTS for row in range(rows)}
