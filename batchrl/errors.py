@@ -6,6 +6,8 @@ is a bug and keeps its traceback.
 - ConfigError (exit 2): a configuration mistake, found before any work starts; the message names the field.
 - DataError (exit 3): the input data cannot be processed as configured (missing column, unreadable file).
 - StorageError (exit 3, or 4 when transient): a data location cannot be read or written.
+
+`type_phrase` names what a wrong value is in these messages ("prompt is an integer", not "prompt is a int").
 """
 
 from __future__ import annotations
@@ -21,3 +23,27 @@ class DataError(RuntimeError):
 
 class StorageError(RuntimeError):
     """A data location cannot be read or written (missing file, bad URI, unreachable store)."""
+
+
+_TYPE_PHRASES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a float",
+    str: "a string",
+    bytes: "bytes",
+    dict: "a dict",
+    list: "a list",
+    type: "a class",
+}
+
+
+def type_phrase(value: object) -> str:
+    """What ``value`` is, with its article, for a message: "an integer", "a string", "None", "a module", "an
+    ndarray" (Python's own names read "a int", "a str", "a NoneType")."""
+    if value is None:
+        return "None"
+    phrase = _TYPE_PHRASES.get(type(value))
+    if phrase is not None:
+        return phrase
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"

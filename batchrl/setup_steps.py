@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from batchrl.config.models import SetupStep
-from batchrl.errors import ConfigError
+from batchrl.errors import ConfigError, type_phrase
 from batchrl.references import import_reference
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def resolve_setup_step(name: str, step: SetupStep) -> Callable[[], Any]:
             "(an installed package, or PYTHONPATH)"
         ) from None
     if not callable(function):
-        raise ConfigError(f"setup.{name}.call: {step.call!r} names a {type(function).__name__}, not a function")
+        raise ConfigError(f"setup.{name}.call: {step.call!r} names {type_phrase(function)}, not a function")
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from batchrl.errors import type_phrase
 from batchrl.references import import_reference, source_digest
 from batchrl.rewards.basic import exact_match, format_hash, format_think
 from batchrl.rewards.boxed import format_boxed, math_boxed
@@ -195,7 +196,7 @@ def check_reward_params(reward_fn: RewardFn, params: Mapping[str, Any], *, name:
 def _check_reward_signature(candidate: Any, *, name_or_ref: str) -> None:
     """Fail at startup if `candidate` cannot be called as fn(response, ground_truth, **row)."""
     if not callable(candidate):
-        raise ValueError(f"reward reference {name_or_ref!r} names a {type(candidate).__name__}, not a function")
+        raise ValueError(f"reward reference {name_or_ref!r} names {type_phrase(candidate)}, not a function")
     try:
         signature = inspect.signature(candidate)
     except (TypeError, ValueError):

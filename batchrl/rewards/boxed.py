@@ -31,6 +31,7 @@ import re
 import threading
 from typing import Any
 
+from batchrl.errors import type_phrase
 from batchrl.rewards.labels import label_free
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def math_ground_truth(ground_truth: str) -> str:
     """The answer of a ground truth given as a full solution (its last box) or as a bare answer."""
     if not isinstance(ground_truth, str):
         raise ValueError(
-            f"ground_truth must be a string, got {type(ground_truth).__name__} {ground_truth!r}; "
+            f"ground_truth must be a string, got {type_phrase(ground_truth)} ({ground_truth!r}); "
             "store answers as strings in the prompts table"
         )
     boxed = last_boxed_content(ground_truth)

@@ -34,6 +34,8 @@ import logging
 import re
 from typing import Any, Literal
 
+from batchrl.errors import type_phrase
+
 logger = logging.getLogger(__name__)
 
 SEARCH_WINDOW_CHARS = 300  # verl searches only this tail of the response (an optimisation that affects results).
@@ -66,7 +68,7 @@ def normalise_gsm8k_ground_truth(ground_truth: str) -> str:
     """The bare answer of a ground truth given either as ``"72"`` or as a full solution ending ``"#### 72"``."""
     if not isinstance(ground_truth, str):
         raise ValueError(
-            f"ground_truth must be a string, got {type(ground_truth).__name__} {ground_truth!r}; "
+            f"ground_truth must be a string, got {type_phrase(ground_truth)} ({ground_truth!r}); "
             "store answers as strings in the prompts table"
         )
     if "####" in ground_truth:

@@ -20,7 +20,7 @@ from decimal import Decimal
 from typing import Any
 
 from batchrl.config import PipelineConfig
-from batchrl.errors import DataError
+from batchrl.errors import DataError, type_phrase
 from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_logged import LOGGED_INPUT_COLUMNS, check_logged, logged_fields, rewards_complete
 
@@ -157,7 +157,7 @@ def prompt_messages(prompt: Any) -> tuple[list[dict[str, str]], tuple[str, str] 
     if not isinstance(prompt, list):
         return [], (
             "bad_prompt",
-            f"prompt is a {type(prompt).__name__} ({str(prompt)[:80]}); expected a string "
+            f"prompt is {type_phrase(prompt)} ({str(prompt)[:80]}); expected a string "
             f"or a list of {{role, content}} chat messages",
         )
     if not all(

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import UserStageConfig
-from batchrl.errors import DataError
+from batchrl.errors import DataError, type_phrase
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import STAGE_PROVIDERS, ActorNeed, Stage, StageContext, StageOutput
 from batchrl.references import import_reference, source_digest
@@ -100,7 +100,7 @@ class UserStage(Stage):
         except ValueError as error:
             raise ConfigError(str(error)) from None
         if not callable(target):
-            raise ConfigError(f"{where}={entry.call!r} is a {type(target).__name__}, not a function or a class")
+            raise ConfigError(f"{where}={entry.call!r} is {type_phrase(target)}, not a function or a class")
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         entry, field = self.entry(cfg), f"stages[{self.index}]"
@@ -203,7 +203,7 @@ def checked_output(before: pa.Table, after: Any, *, stage: str, outputs: list[st
     if isinstance(after, pa.RecordBatch):
         after = pa.Table.from_batches([after])
     if not isinstance(after, pa.Table):
-        raise DataError(f"stage {stage} returned a {type(after).__name__}; it must return a pyarrow.Table")
+        raise DataError(f"stage {stage} returned {type_phrase(after)}; it must return a pyarrow.Table")
     if after.num_rows != before.num_rows:
         raise DataError(
             f"stage {stage} returned {after.num_rows} rows for a shard of {before.num_rows}; a stage keeps every row, "

@@ -234,7 +234,7 @@ def test_unknown_roles_and_non_text_prompts_are_rejected_with_an_accurate_reason
     rejects = read_rejects(ctx, out)
     assert {(r["prompt_id"], r["reason"]) for r in rejects} == {("robot", "bad_role"), ("n", "bad_prompt")}
     detail = {r["prompt_id"]: r["detail"] for r in rejects}
-    assert "'robot'" in detail["robot"] and "int" in detail["n"]
+    assert "'robot'" in detail["robot"] and detail["n"].startswith("prompt is an integer (42); expected a string")
 
 
 def test_a_file_without_rows_is_named_when_no_prompt_is_left(tmp_path, tokenizer_dir):

@@ -81,7 +81,7 @@ def test_jsonl_chunks_are_byte_ranges_whose_rows_are_byte_offsets_and_bad_lines_
     records = [r for chunk in chunks for r in read_chunk(chunk, columns=[])]
     assert [offset for offset, _ in records] == [0, 38, 45, 82]
     assert records[0][1] == {"prompt": "a", "ground_truth": "1"}
-    assert records[1][1] == "line is a JSON list, expected an object with the prompt's fields"
+    assert records[1][1] == "line holds an array, expected a JSON object with the prompt's fields"
     assert records[3][1].startswith("line is not valid JSON (")
     # a JSONL chunk's row count is unknown when parts are named: one index each, then suffixes
     assert chunks[1].part_names(3) == ["part-00001.parquet", "part-00001-0001.parquet", "part-00001-0002.parquet"]

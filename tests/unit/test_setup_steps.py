@@ -88,7 +88,7 @@ def test_steps_run_in_the_order_written_with_their_arguments_and_can_be_overridd
     [
         ("no_such_module_xyz:fn", {}, r"^setup\.bad\.call: cannot import module 'no_such_module_xyz'"),
         ("{module}:nothing_here", {}, r"^setup\.bad\.call: .*has no attribute 'nothing_here'"),
-        ("{module}:NOT_A_FUNCTION", {}, r"^setup\.bad\.call: .* names a int, not a function"),
+        ("{module}:NOT_A_FUNCTION", {}, r"^setup\.bad\.call: .* names an integer, not a function"),
         ("{module}:record", {"wrd": "x"}, r"^setup\.bad\.arguments: .*cannot be called with them.*parameters: word"),
     ],
 )

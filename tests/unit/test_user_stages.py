@@ -126,6 +126,7 @@ def test_output_columns_of_the_input_are_cast_back_and_added_ones_kept():
         (lambda t: t, ["scores", "flag"], r"did not return the column\(s\) \['flag'\]"),
         (lambda t: t.set_column(4, "scores", pa.array(["x", "y"])), ["scores"], r"'scores' as string"),
         (lambda t: t.to_pylist(), ["scores"], r"returned a list; it must return a pyarrow\.Table"),
+        (lambda t: None, ["scores"], r"returned None; it must return a pyarrow\.Table"),
     ],
 )
 def test_an_output_that_breaks_the_contract_is_a_data_error_naming_stage_and_column(edit, outputs, message):
