@@ -47,3 +47,36 @@ def type_phrase(value: object) -> str:
         return phrase
     name = type(value).__name__
     return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+class ProcessCrash(RuntimeError):
+    """A process of the run died of a signal (SIGABRT, SIGSEGV, SIGKILL, ...) rather than raising: an update rank,
+    or an actor that Ray's retries could not bring through its job. Not the user's doing (exit 1), but not a
+    traceback either: the command line prints one line naming the stage, the process and the signal, with the path
+    of the log that holds the details (`log_path`, written by the runner, which also sets `stage`). Nothing the
+    process was writing was committed (manifests are written last), so the same command resumes the run."""
+
+    def __init__(self, *, process: str, signal_name: str, details: str):
+        super().__init__(f"{process} died of {signal_name}")
+        self.process = process
+        self.signal_name = signal_name
+        self.details = details
+        self.stage: str | None = None
+        self.log_path: str | None = None
+
+    def one_line(self) -> str:
+        where = f" in {self.stage}" if self.stage else ""
+        log = f"; details in {self.log_path}" if self.log_path else ""
+        return f"{self.process} died of {self.signal_name}{where}{log}; run the same command to resume"
+
+
+def signal_name(returncode: int) -> str:
+    """ "SIGABRT" for a process's return code -6 (killed by signal 6); "exit code N" for any other code."""
+    import signal
+
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"

@@ -7,7 +7,7 @@ its deadline gets its actor killed; Ray restarts the actor and runs the job agai
 ``max_restarts`` and ``max_task_retries``: see ``task_retries``), with a fresh deadline, up to
 ``timeout_retries`` times; then the run stops with ShardTimeout (exit 1, an internal failure: nothing the user's
 data or config did). An actor that dies on its own (OOM, a crash) has its job retried by Ray the same way; when
-Ray gives up, the run stops naming the job.
+Ray gives up, the run stops naming the job (ProcessCrash: one line and a log, not a traceback).
 
 Why Ray's retry and not a resubmission of ours: a task sent to an actor while it restarts fails at once
 ("the actor is temporarily unavailable"), so a resubmission would have to poll for the actor's return; Ray's
@@ -18,11 +18,14 @@ its input), so a retry never duplicates rows.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from batchrl.errors import ProcessCrash
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +77,13 @@ def run_with_deadlines(
             actor, job, _ = running.pop(ready[0])
             try:
                 result = ray.get(ready[0])
-            except RayActorError as err:
-                cause = str(err).splitlines()[0][:300]
-                raise RuntimeError(f"{what} {job['name']} lost its actor, and Ray's retries too: {cause}") from None
+            except RayActorError as err:  # it died again and again: a native crash, or killed (out of memory)
+                named = re.search(r"\bSIG[A-Z]+\b", str(err))
+                raise ProcessCrash(
+                    process=f"the actor of {what} {job['name']} (after Ray's retries)",
+                    signal_name=named.group(0) if named else "an unexpected exit",
+                    details=str(err),
+                ) from None
             idle.append(actor)
             yield result
             continue

@@ -43,6 +43,15 @@ class RunLayout:
     def iteration_metrics(self, iteration: int) -> str:
         return join(self.iteration_dir(iteration), "metrics.json")
 
+    def crash_log(self, stage_label: str, process: str) -> str:
+        """What a process that died of a signal left on stderr, for a stage ("iter 9 update") and a process
+        ("update rank 0"): _logs/iter_9_update-update_rank_0.log."""
+        return join(self.run_dir, "_logs", f"{_slug(stage_label)}-{_slug(process)}.log")
+
 
 def part_name(shard_index: int) -> str:
     return f"part-{shard_index:05d}.parquet"
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text.strip())

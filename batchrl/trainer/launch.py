@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchrl.errors import ProcessCrash, signal_name
 from batchrl.trainer.integrity import error_path, read_error
 from batchrl.trainer.progress_file import ProgressReader
 from batchrl.trainer.spec import UpdateSpec, resolve_backend
@@ -256,13 +257,14 @@ def _with_progress(
     return spec, _progress_poller(ProgressReader(spec.progress_path), on_progress)
 
 
-def _failure(spec: UpdateSpec, failure: str) -> Exception:
-    """The error to raise for failed ranks: the trainer-state mismatch rank 0 reported, else the ranks' story."""
+def _failure(spec: UpdateSpec, failure: str | ProcessCrash) -> Exception:
+    """The error to raise for failed ranks: the trainer-state mismatch rank 0 reported, else the crash, else the
+    ranks' story."""
     mismatch = read_error(spec.metrics_path)
     if mismatch is not None:
         logger.debug("update ranks refused the trainer state:\n%s", failure)
         return mismatch
-    return RuntimeError(failure)
+    return failure if isinstance(failure, ProcessCrash) else RuntimeError(failure)
 
 
 def _read_metrics(spec: UpdateSpec) -> dict[str, float]:
@@ -390,8 +392,9 @@ def _wait_for_workers(
     timeout_s: float | None,
     on_poll: Callable[[], None] | None = None,
     done: Callable[[dict], bool] | None = None,
-) -> str | None:
-    """Poll until all ranks are done (None) or one fails or time runs out (a message naming the culprits).
+) -> str | ProcessCrash | None:
+    """Poll until all ranks are done (None) or one fails or time runs out (a message naming the culprits; a
+    ProcessCrash when one died of a signal).
 
     Done: exited with 0, or, for resident ranks, `done(worker)` (and then any exit is a failure).
     `on_poll()` runs once per poll (every POLL_INTERVAL_S), e.g. to read rank 0's progress."""
@@ -407,11 +410,19 @@ def _wait_for_workers(
             failed = [w for w, code in zip(workers, codes) if code is not None]
             finished = all(done(w) for w in workers)
         if failed:
-            return "\n".join(
+            story = "\n".join(
                 f"update rank {w['rank']} exited with code {w['process'].returncode}; stderr tail:\n"
                 f"{_tail(w['stderr_path'], start=w.get('log_offset', 0))}"
                 for w in failed[:2]
             )
+            crashed = [w for w in failed if w["process"].returncode < 0]
+            if crashed:  # a native crash (or a kill): one line for the user, the ranks' logs for the details
+                return ProcessCrash(
+                    process=f"update rank {crashed[0]['rank']}",
+                    signal_name=signal_name(crashed[0]["process"].returncode),
+                    details=story,
+                )
+            return story
         if finished:
             return None
         if deadline is not None and time.monotonic() > deadline:
