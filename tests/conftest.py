@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -86,7 +88,7 @@ def s3_endpoint():
         [str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 300  # a bound on a hung start only: Flask and moto import slowly on a busy host
     while True:
         try:
             urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
@@ -133,3 +135,47 @@ def s3_prompts(s3_bucket, toy_prompts_dir) -> str:
     for local in sorted(Path(toy_prompts_dir).glob("*.parquet")):
         fs.put_file(str(local), f"{s3_bucket}/prompts/{local.name}")
     return f"s3://{s3_bucket}/prompts/"
+
+
+class UnreachableEndpoint:
+    """An http:// endpoint on 127.0.0.1 that reads each request's first line and closes the connection without an
+    answer: a server that cannot be reached, whose tries a test counts (`requests_for`; a closed port's refusals
+    leave nothing to count)."""
+
+    def __init__(self):
+        self.paths: list[str] = []  # the path of each request, in order
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def requests_for(self, path: str) -> int:
+        return sum(one.split("?")[0] == path for one in self.paths)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:  # closed
+                return
+            with connection:
+                connection.settimeout(30)
+                request = b""
+                with contextlib.suppress(OSError):
+                    while b"\r\n" not in request and len(request) < 65536:
+                        chunk = connection.recv(4096)
+                        if not chunk:
+                            break
+                        request += chunk
+                # recorded before the close: a client sees the close only once its request is counted
+                self.paths.append((request.split(b" ") + [b"", b""])[1].decode(errors="replace"))
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+@pytest.fixture
+def unreachable_endpoint():
+    """An UnreachableEndpoint, e.g. for a hub that must be asked once, never retried."""
+    endpoint = UnreachableEndpoint()
+    yield endpoint
+    endpoint.close()

@@ -64,7 +64,7 @@ class RestartableS3:
     def start(self) -> None:
         host, port = self.backend.rsplit("//", 1)[1].split(":")
         self.process = subprocess.Popen([sys.executable, "-c", _FORWARDER, str(self.port), host, port])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a bound on a hung start only (a loaded host starts Python slowly)
         while True:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()

@@ -48,7 +48,7 @@ def ray_head(temp_dir: Path, *, num_cpus: int, env: dict[str, str]) -> Iterator[
         stderr=subprocess.DEVNULL,
     )
     address_file = temp_dir / "ray_current_cluster"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a bound on a hung start only: `ray start` takes long on a loaded host
     while not address_file.exists():
         if time.monotonic() > deadline or head.poll() is not None:
             _stop(head)

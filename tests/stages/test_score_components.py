@@ -13,6 +13,10 @@ from batchrl.rewards.combine import TermSpec
 from batchrl.stages.score import ScoreWorker, score_stats, summarize_scores
 from batchrl.storage.schemas import conform
 
+# The per-call deadline where no call should time out: one no healthy call misses on a loaded host (math-verify's
+# first call took 2-4 s at a load of 11 on 2 cores). The tests of hung calls set short ones: they wait them out.
+HEALTHY_CALL_S = 120.0
+
 
 def rollouts(groups: list[dict]) -> pa.Table:
     """groups: {prompt_id, truth, responses[, data_source, lengths, finish_reasons, prompt_text, messages]}."""
@@ -57,7 +61,7 @@ def column(table: pa.Table, name: str) -> list:
     return table.column(name).to_pylist()
 
 
-@pytest.mark.parametrize("timeout_s", [None, 5.0])
+@pytest.mark.parametrize("timeout_s", [None, HEALTHY_CALL_S])
 def test_each_component_is_kept_per_sample_with_its_name_and_weight(timeout_s):
     table = rollouts(
         [{"prompt_id": "p0", "truth": "7", "responses": ["#### 7", "#### 8", "seven"], "lengths": [10, 90, 100]}]
@@ -94,7 +98,7 @@ def test_without_terms_each_row_is_scored_by_its_data_sources_reward_under_that_
             {"prompt_id": "m2", "truth": "3", "responses": ["\\boxed{3}", "\\boxed{3}"], "data_source": "math"},
         ]
     )
-    out, counts = score(table, timeout_s=5.0)
+    out, counts = score(table, timeout_s=HEALTHY_CALL_S)
     assert column(out, "reward_names") == [["gsm8k"], ["math"], ["math"]]
     assert column(out, "scores") == [[1.0, 0.0], [1.0, 0.0], [1.0, 1.0]]
     stats = score_stats(counts)
@@ -103,7 +107,9 @@ def test_without_terms_each_row_is_scored_by_its_data_sources_reward_under_that_
 
 def test_row_fields_reach_the_reward_per_sample():
     table = rollouts([{"prompt_id": "p0", "truth": "7", "responses": ["a", "b"], "finish_reasons": ["stop", "length"]}])
-    out, _ = score(table, terms=[TermSpec("truncation_penalty", 1.0, params={"penalty": -0.5})], timeout_s=5.0)
+    out, _ = score(
+        table, terms=[TermSpec("truncation_penalty", 1.0, params={"penalty": -0.5})], timeout_s=HEALTHY_CALL_S
+    )
     assert column(out, "scores") == [[0.0, -0.5]]
 
 
@@ -150,7 +156,9 @@ def test_samples_spread_over_many_messages_come_back_in_order():
     original = isolation.SAMPLES_PER_MESSAGE
     try:
         isolation.SAMPLES_PER_MESSAGE = 4  # 21 samples: six messages, the last one short
-        out, counts = score(table, terms=[("gsm8k", 1.0), ("custom_rewards:length_bonus", 0.5)], timeout_s=5.0)
+        out, counts = score(
+            table, terms=[("gsm8k", 1.0), ("custom_rewards:length_bonus", 0.5)], timeout_s=HEALTHY_CALL_S
+        )
     finally:
         isolation.SAMPLES_PER_MESSAGE = original
     assert out.equals(expected) and counts["failed_samples"] == 0
@@ -158,13 +166,15 @@ def test_samples_spread_over_many_messages_come_back_in_order():
 
 def test_a_reward_that_kills_its_process_fails_only_that_sample():
     table = rollouts([{"prompt_id": "p0", "truth": "7", "responses": ["ok", "hang", "ok"]}])
-    out, counts = score(table, terms=[("custom_rewards:dies_on_hang", 1.0)], timeout_s=5.0, failure_reward=-2.0)
+    out, counts = score(
+        table, terms=[("custom_rewards:dies_on_hang", 1.0)], timeout_s=HEALTHY_CALL_S, failure_reward=-2.0
+    )
     assert column(out, "scores") == [[1.0, -2.0, 1.0]]
     assert column(out, "score_errors")[0][1] == "dies_on_hang crashed the reward process (exit code 7)"
     assert counts["failed_samples"] == 1
 
 
-@pytest.mark.parametrize("timeout_s", [None, 5.0])
+@pytest.mark.parametrize("timeout_s", [None, HEALTHY_CALL_S])
 def test_raising_nan_and_none_are_recorded_the_same_way_inline_and_isolated(timeout_s):
     table = rollouts([{"prompt_id": "p0", "truth": "7", "responses": ["x"]}])
     terms = [("custom_rewards:explodes", 1.0), ("custom_rewards:not_a_number", 1.0), ("custom_rewards:gives_up", 1.0)]
@@ -249,7 +259,7 @@ def test_without_rule_terms_the_reward_model_scores_alone_with_the_chat_template
     out, _ = score(
         rollouts(groups),
         reward_model={"path": reward_model_dir, "input_format": "chat", "device": "cpu"},
-        timeout_s=5.0,
+        timeout_s=HEALTHY_CALL_S,
     )
     tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
     texts = [

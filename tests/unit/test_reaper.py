@@ -58,7 +58,7 @@ def test_what_a_sigkilled_driver_started_inside_reaping_orphans_is_stopped_and_n
         assert len(started) == 3 and all(alive(pid) for pid in started)
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
-        deadline = time.monotonic() + GRACE_S + 10
+        deadline = time.monotonic() + GRACE_S + 120  # a bound, not the check: a loaded host schedules the watchdog late
         while any(alive(pid) for pid in started) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in started if alive(pid)]
