@@ -5,8 +5,9 @@ Accepts two layouts, per record: batchrl's (``prompt`` as a string or chat messa
 ``data_source``, ``prompt_id``, ``extra_info``) and verl's (``data_source``, ``prompt`` as chat messages,
 ``reward_model.ground_truth``, ``extra_info``). A missing ``prompt_id`` becomes ``<file stem>-<row>``, a missing
 ``data_source`` becomes ``unknown``. Reject reasons: empty_prompt, bad_prompt, bad_messages, bad_role,
-bad_ground_truth, missing_ground_truth (only where a reward that runs on the row needs a label: LabelRule; a
-prompt may have none when its rewards are label-free, e.g. a reward model alone), prompt_too_long (here),
+bad_ground_truth (NaN, a boolean, a ``reward_model`` that is not a dict), missing_ground_truth (only where a
+reward that runs on the row needs a label: LabelRule; a prompt may have none when its rewards are label-free,
+e.g. a reward model alone), prompt_too_long (here),
 bad_json (a JSONL line that is not a JSON object, found by the reader), duplicate_prompt_id (found across the
 whole input, see ingest_duplicates), and with generate.logged those of the logged responses (ingest_logged).
 """
@@ -60,9 +61,9 @@ def load_tokenizer(cfg: PipelineConfig):
 
 def normalized_row(raw: dict[str, Any], *, uri: str, stem: str, row: int) -> dict[str, Any]:
     """The fields of an input record in batchrl's layout (either input layout in)."""
-    reward_model = raw.get("reward_model") or {}
-    ground_truth = raw.get("ground_truth", reward_model.get("ground_truth") if isinstance(reward_model, dict) else None)
-    ground_truth, ground_truth_problem = ground_truth_text(ground_truth)
+    ground_truth, ground_truth_problem = label_of(raw)
+    if ground_truth_problem is None:
+        ground_truth, ground_truth_problem = ground_truth_text(ground_truth)
     return {
         "prompt_id": str(raw["prompt_id"]) if raw.get("prompt_id") is not None else f"{stem}-{row}",
         "data_source": str(raw.get("data_source") or "unknown"),
@@ -74,6 +75,21 @@ def normalized_row(raw: dict[str, Any], *, uri: str, stem: str, row: int) -> dic
         "source_row": row,
         "logged_raw": logged_fields(raw),
     } | dict.fromkeys(LOGGED_COLUMNS)
+
+
+def label_of(raw: dict[str, Any]) -> tuple[Any, str | None]:
+    """(the record's ground truth as given, None), or (None, why verl's ``reward_model`` holds none).
+
+    Why a plain ``reward_model`` string is rejected, not taken for the answer: verl's datasets store
+    ``{"style": "rule", "ground_truth": ...}`` and its reward managers read ``reward_model["ground_truth"]``, so a
+    string there is a file verl itself could not score (and a JSON text of that dict is no dict either)."""
+    if "ground_truth" in raw:
+        return raw["ground_truth"], None
+    reward_model = raw.get("reward_model")
+    if reward_model is None or isinstance(reward_model, dict):
+        return (reward_model or {}).get("ground_truth"), None
+    shape, found = '{"ground_truth": ...}', f"{type_phrase(reward_model)}: {str(reward_model)[:80]!r}"
+    return None, f"reward_model must be a dict with a ground_truth key ({shape}, verl's layout); found {found}"
 
 
 def ground_truth_text(value: Any) -> tuple[str | None, str | None]:

@@ -97,6 +97,27 @@ def test_verl_layout_takes_ground_truth_from_reward_model_and_keeps_extra_info(t
     assert json.loads(row["extra_info_json"]) == {"split": "train", "index": 7}
 
 
+def test_a_verl_reward_model_that_is_not_a_dict_is_rejected_saying_what_it_must_be_and_what_was_found(
+    tmp_path, tokenizer_dir
+):
+    prompt = [{"role": "user", "content": "What is 2 + 2?"}]
+    records = [
+        {"prompt_id": "dict", "data_source": "openai/gsm8k", "prompt": prompt, "reward_model": {"ground_truth": "4"}},
+        {"prompt_id": "text", "data_source": "openai/gsm8k", "prompt": prompt, "reward_model": "4"},
+    ]
+    path = tmp_path / "verl.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    ctx = make_ctx(tmp_path, tokenizer_dir, [path])
+    out = IngestStage().run(ctx)
+    assert out.counts["prompts"] == 1
+    (reject,) = read_rejects(ctx, out)
+    assert (reject["prompt_id"], reject["reason"]) == ("text", "bad_ground_truth")
+    assert reject["detail"] == (
+        """reward_model must be a dict with a ground_truth key ({"ground_truth": ...}, verl's layout); """
+        """found a string: '4'"""
+    )
+
+
 def test_malformed_rows_are_counted_into_the_rejects_table_with_reasons(tmp_path, tokenizer_dir):
     rows = [
         {"prompt_id": "ok", "data_source": "arith", "prompt": "What is 1 + 1?", "ground_truth": "2"},
