@@ -7,17 +7,19 @@ crosses the driver.
 
 Resume: the driver records each finished shard (its part's size and sha256, its counts, the input it was made
 from) in the output table's work journal (batchrl.storage.journal) as the result arrives. A resumed stage takes
-its done shards from the journal and one listing of the output directory, and redoes exactly the others, without
-reading a single part (a request per part took ~48 min at 39k parts on S3). A file under a part name that no
-record claims (a shard in flight at the crash, whose record was not yet flushed, or a file copied in by hand) is
-simply redone: the rewrite replaces it under the same name, made again from the same input.
+its done shards from the journal, one listing of the output directory and one hash of each part a record claims
+(concurrently; no footer is opened: a request per part for that took ~48 min at 39k parts on S3), and redoes
+exactly the others. A file under a part name that no record claims, or that does not hash as its record says (a
+shard in flight at the crash, whose record was not yet flushed, or a file copied in by hand) is simply redone: the
+rewrite replaces it under the same name, made again from the same input.
 
 Faults: an actor that dies mid-shard (killed, OOM, lost node) is restarted by Ray and its shard retried,
 a bounded number of times (``ACTOR_MAX_RESTARTS``, ``SHARD_MAX_RETRIES``; Ray Data's default is to retry
 forever, which turns a shard that always crashes its worker into a hung run). A retried shard rewrites
 the same part name atomically, so a retry never duplicates rows. A worker checks the sha256 of the input
 part it reads against the upstream manifest, so a part corrupted after it was committed is an error
-naming the file, not silently different output.
+naming the file, not silently different output; a stage whose readers read parts in place (the update's ranks,
+row groups by range requests) checks them first with `verify_parts`, with the same error.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import pyarrow.parquet as pq
 
 from batchrl.errors import DataError
 from batchrl.storage import join, read_parquet, resolve, write_parquet_atomic
+from batchrl.storage.fs import sha256_of_each
 from batchrl.storage.journal import Journal, record, record_parts
 from batchrl.storage.manifest import Manifest, PartInfo, file_sizes
 from batchrl.storage.schemas import conform
@@ -130,13 +133,34 @@ def read_verified_parquet(uri: str, *, sha256: str | None) -> pa.Table:
     try:
         data = fs.cat_file(path)
     except FileNotFoundError:
-        raise DataError(f"{uri} is listed in its manifest but missing: run again to redo it") from None
+        raise _missing_part(uri) from None
     if hashlib.sha256(data).hexdigest() != sha256:
-        raise DataError(
-            f"{uri} does not match the sha256 in its manifest (changed after it was written): run "
-            f"again with --verify to redo it and everything made from it"
-        )
+        raise _changed_part(uri)
     return pq.read_table(io.BytesIO(data))
+
+
+def verify_parts(table_dir: str, parts: list[PartInfo]) -> None:
+    """Checks that each of a committed table's ``parts`` hashes to the sha256 its manifest records, as
+    `read_verified_parquet` checks the part a shard worker reads, for readers that read the parts in place instead
+    (the update's ranks: a rank reads the row groups it trains on, never a whole file to hash). Each part is read
+    once (`sha256_of_each`); the same DataError for the first that is missing or differs."""
+    uris = [join(table_dir, part.name) for part in parts]
+    for uri, part, actual in zip(uris, parts, sha256_of_each(uris)):
+        if actual is None:
+            raise _missing_part(uri)
+        if actual != part.sha256:
+            raise _changed_part(uri)
+
+
+def _missing_part(uri: str) -> DataError:
+    return DataError(f"{uri} is listed in its manifest but missing: run again to redo it")
+
+
+def _changed_part(uri: str) -> DataError:
+    return DataError(
+        f"{uri} does not match the sha256 in its manifest (changed after it was written): run "
+        f"again with --verify to redo it and everything made from it"
+    )
 
 
 def shard_jobs(*, input_dir: str, input_manifest: Manifest, output_dir: str) -> list[dict[str, Any]]:
@@ -167,11 +191,13 @@ def pending_shards(
     jobs: list[dict[str, Any]], *, output_dir: str
 ) -> tuple[dict[str, PartInfo], dict[str, float], list[dict[str, Any]]]:
     """Splits a stage's shard jobs into those already done (resume: their parts and summed counts, from the output's
-    journal) and those to run, from one listing of ``output_dir`` and its journal segments: no part is read.
+    journal) and those to run, from one listing of ``output_dir``, its journal segments and a hash of each part a
+    record claims (`Journal.load`).
 
     A shard counts as done only when its journal record names the same input (`job_input`) and its part is present
-    with the recorded size. A file under a part name that no such record claims (a shard in flight when the run
-    stopped, a file copied in by hand) is not trusted: its shard is redone and the rewrite replaces it.
+    with the recorded size and sha256. A file under a part name that no such record claims (a shard in flight when
+    the run stopped, a file copied in by hand or changed since) is not trusted: its shard is redone and the
+    rewrite replaces it.
     """
     sizes = file_sizes(output_dir)
     records = Journal(output_dir).load(sizes=sizes)

@@ -28,9 +28,9 @@ duplicate of the first VALID row with that id: a later row with the same id and 
 that problem (before, a too-long duplicate counted as a duplicate).
 
 Resume: the stage declares ``resumes_from_journal``, so the runner keeps its files when it restarts, and a chunk
-whose record is in the journal (its parts present with their sizes, its input file unchanged) is not redone. A
-rewrite (duplicates, the max_prompts trim) first journals that the chunk is being rewritten, so a crash in the
-middle redoes the chunk rather than trusting a part that may have changed. Every step is a function of the
+whose record is in the journal (its parts present with their sizes and sha256, its input file unchanged) is not
+redone. A rewrite (duplicates, the max_prompts trim) first journals that the chunk is being rewritten, so a crash in
+the middle redoes the chunk rather than trusting a part that may have changed. Every step is a function of the
 inputs, so a resumed ingest writes the same parts, byte for byte, as an uninterrupted one.
 """
 

@@ -2,7 +2,8 @@
 
 The stage is glue: it resolves local paths (downloading the input policy, the reference policy and the previous
 optimizer state when the run lives on object storage; the ranks read the advantages parts in place, local or
-s3://, each only the rows it trains on), hands an UpdateSpec to the
+s3://, each only the rows it trains on, once the stage has checked each part's sha256 against the advantages
+manifest, as shard workers check their inputs), hands an UpdateSpec to the
 trainer's launcher (N torch.distributed processes, gloo on CPU / NCCL on GPU), and publishes into
 ``iter_NNNN/policy/``. With ``update.launcher: ray`` (on a Ray cluster) the ranks are Ray actors, possibly on
 other nodes: the spec then names the run directory's own URIs, each actor stages its inputs and uploads its
@@ -45,6 +46,7 @@ from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import UpdateConfig
 from batchrl.errors import DataError
 from batchrl.pipeline.devices import RANK_DEVICES_ENV, needs_split, overlap_gpu_split, visible_gpus
+from batchrl.pipeline.shards import verify_parts
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
 from batchrl.storage.manifest import Manifest, PartInfo, file_sizes, read_manifest
@@ -126,6 +128,8 @@ class UpdateStage(Stage):
         try:
             if sum(part.rows for part in ctx.inputs["advantages"].parts) == 0:
                 return _carry_policy_forward(ctx, state)
+            # The ranks read the parts in place, never whole, so they are checked here, as shard workers check theirs.
+            verify_parts(ctx.input_dirs["advantages"], ctx.inputs["advantages"].parts)
             output = _run_on_ray(ctx, state) if on_ray else _run_locally(ctx, state, resident=resident)
             return _with_recomputed_count(output, ctx.inputs["advantages"])
         except TrainerStateError as error:  # refused before anything was loaded from it

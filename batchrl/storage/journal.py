@@ -14,9 +14,14 @@ function of its input, the redo rewrites the same part names with the same rows.
 when more than ``MAX_SEGMENTS`` have piled up (the new segment is written before the old ones are deleted, so a
 crash in between only leaves duplicates, which load merges by key).
 
-A record counts only while every part it names is present with its recorded size (from the same listing): a part
-deleted or truncated since is redone. Files under part names that no record claims (a shard that was in flight,
-or a file copied in by hand) are not trusted; the stage rewrites them.
+A record counts only while every part it names is present with its recorded size (from the same listing) and
+hashes to its recorded sha256: a part deleted, truncated or replaced since is redone. Why the hash, when the
+listing alone needs no read: a file of the same size and other content (the same table with one column changed,
+padded to the byte) would otherwise be taken for the shard's output, written into the manifest under the sha256
+the record holds, and read by the next stage before anything compared the two. So loading reads each claimed
+part once, ``HASH_THREADS`` at a time: a resume rereads what it keeps (far less than redoing it), and a fresh
+stage, whose journal is empty, reads nothing. Files under part names that no record claims (a shard that was in
+flight, or a file copied in by hand) are not trusted; the stage rewrites them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
-from batchrl.storage.fs import join, resolve, write_bytes_atomic
+from batchrl.storage.fs import join, resolve, sha256_of_each, write_bytes_atomic
 from batchrl.storage.manifest import PartInfo, file_sizes
 
 logger = logging.getLogger(__name__)
@@ -57,8 +62,9 @@ class Journal:
         self.dir = join(table_dir, JOURNAL_DIR)
 
     def load(self, *, sizes: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
-        """The records whose parts are all present with their recorded sizes, by key (a later record of a key
-        replaces an earlier one). ``sizes``: the table directory's listing (`file_sizes`), if the caller has it."""
+        """The records whose parts are all present with their recorded sizes and sha256, by key (a later record of
+        a key replaces an earlier one). ``sizes``: the table directory's listing (`file_sizes`), if the caller has
+        it. Each part a record of the right size claims is read once and hashed (see the module's docstring)."""
         sizes = file_sizes(self.table_dir) if sizes is None else sizes
         segments = sorted(name for name in sizes if name.startswith(f"{JOURNAL_DIR}/seg-") and name.endswith(".json"))
         records: dict[str, dict[str, Any]] = {}
@@ -74,7 +80,24 @@ class Journal:
                 self.table_dir,
                 len(records) - len(intact),
             )
-        return intact
+        return self._hashing_as_recorded(intact)
+
+    def _hashing_as_recorded(self, records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``records`` less those with a part whose sha256 is not the recorded one (a warning names each part)."""
+        names = sorted({p["name"] for entry in records.values() for p in entry["parts"]})
+        actual = dict(zip(names, sha256_of_each([join(self.table_dir, name) for name in names])))
+        kept = {}
+        for key, entry in records.items():
+            changed = [p["name"] for p in entry["parts"] if actual[p["name"]] != p["sha256"]]
+            for name in changed:
+                logger.warning(
+                    "%s does not hash to the sha256 its journal record holds (changed after it was written): not "
+                    "taken for the stage's output, its work is redone",
+                    join(self.table_dir, name),
+                )
+            if not changed:
+                kept[key] = entry
+        return kept
 
     def append(self, entries: list[dict[str, Any]]) -> None:
         """Writes ``entries`` as one new segment (atomically); nothing for an empty list."""

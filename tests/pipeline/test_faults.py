@@ -21,9 +21,19 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from harness import cli, cli_ok, read_json, read_metrics, read_table, start_cli, write_pipeline
+from harness import (
+    cli,
+    cli_ok,
+    read_json,
+    read_metrics,
+    read_table,
+    rewrite_at_the_same_size,
+    start_cli,
+    write_pipeline,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -313,6 +323,21 @@ def test_a_foreign_parquet_file_under_a_part_name_of_an_unfinished_stage_is_redo
     assert "part-00000.parquet is not this stage's output" in result.stderr, result.stderr[-4000:]
     assert "Traceback" not in result.stderr
     assert_same_rows(expected_run, run)
+
+
+def test_a_journalled_part_replaced_by_other_rows_of_the_same_size_is_redone_not_trained_on(reference):
+    path, expected_run = reference
+    run = copy_run(expected_run, "replaced")
+    advantages = run / "iter_0001" / "advantages"
+    (advantages / "_MANIFEST.json").unlink()  # the stage caught mid-way, its part journalled, the update not run
+    shutil.rmtree(run / "iter_0001" / "policy")
+    part = advantages / "part-00000.parquet"
+    table = pq.read_table(part)
+    negated = pc.negate(table.column("advantage"))
+    rewrite_at_the_same_size(part, table.set_column(table.schema.get_field_index("advantage"), "advantage", negated))
+    result = cli_ok("run", path, "--run-id", "replaced")
+    assert f"{part} does not hash to the sha256 its journal record holds" in result.stderr, result.stderr[-4000:]
+    assert_same_rows(expected_run, run)  # the update trained on the stage's own rows: the reference's weights
 
 
 def test_an_update_whose_optimizer_state_is_gone_stops_with_exit_3_and_the_redo_it_names_reproduces_the_run(reference):

@@ -133,3 +133,44 @@ def test_an_update_reads_its_advantages_from_s3_in_place_and_trains_what_a_local
     weights_remote = load_weights(tmp_path / "remote" / policy_dir)
     assert max((weights_local[k] - weights_remote[k]).abs().max().item() for k in weights_local) <= 1e-7
     assert [p.name for p in remote.extra_parts["logprobs"]] == ["_logprobs/part-00000.parquet"]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_advantages_part_changed_after_its_manifest_was_written_is_refused_before_any_rank_starts(
+    tmp_path, tiny_policy, s3_bucket, monkeypatch, where
+):
+    """The ranks read the parts in place, never whole, so they cannot hash them: the stage does, as shard workers
+    check their inputs. Here the same rows with every advantage negated, padded to the byte to the part's size."""
+    import pyarrow.compute as pc
+    from harness import rewrite_at_the_same_size
+    from transformers import AutoConfig
+
+    import batchrl.trainer
+    from batchrl.errors import DataError
+    from batchrl.storage import resolve
+
+    vocab_size = AutoConfig.from_pretrained(str(tiny_policy)).vocab_size
+    files = write_advantages(synthetic_rows(vocab_size=vocab_size, seed=6), tmp_path / "advantages", row_group_size=6)
+    manifest = advantages_manifest(files)
+    table = pq.read_table(files[1])
+    rewrite_at_the_same_size(
+        Path(files[1]),
+        table.set_column(table.schema.get_field_index("advantage"), "advantage", pc.negate(table["advantage"])),
+    )
+    advantages_dir = str(tmp_path / "advantages")
+    if where == "s3":
+        advantages_dir = f"s3://{s3_bucket}/advantages"
+        fs, _ = resolve(advantages_dir)
+        for f in files:
+            fs.put_file(f, f"{s3_bucket}/advantages/{Path(f).name}")
+    started = []
+    monkeypatch.setattr(batchrl.trainer, "run_update", lambda spec, **kwargs: started.append(spec))
+    with pytest.raises(DataError, match=f"{Path(files[1]).name} does not match the sha256 in its manifest"):
+        run_update_stage(
+            tmp_path / "run",
+            advantages_dir=advantages_dir,
+            manifest=manifest,
+            policy=tiny_policy,
+            monkeypatch=monkeypatch,
+        )
+    assert started == []

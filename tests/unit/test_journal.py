@@ -3,6 +3,8 @@ loses only unflushed records, and it works the same on S3 (moto) as on a local d
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from batchrl.storage import join, resolve, write_bytes_atomic
@@ -13,7 +15,7 @@ from batchrl.storage.manifest import PartInfo
 
 def write_part(table_dir: str, name: str, data: bytes = b"rows") -> PartInfo:
     write_bytes_atomic(join(table_dir, name), data)
-    return PartInfo(name=name, rows=1, sha256="x", num_bytes=len(data))
+    return PartInfo(name=name, rows=1, sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data))
 
 
 def segments(table_dir: str) -> list[str]:
@@ -39,6 +41,15 @@ def test_a_record_whose_part_is_gone_or_has_another_size_does_not_count(tmp_path
     (tmp_path / "t" / deleted.name).unlink()
     (tmp_path / "t" / truncated.name).write_bytes(b"ro")
     assert list(Journal(table).load()) == [kept.name]
+
+
+def test_a_record_whose_part_was_replaced_by_other_bytes_of_the_same_size_does_not_count(tmp_path, caplog):
+    table = str(tmp_path / "t")
+    kept, replaced = write_part(table, "part-00000.parquet"), write_part(table, "part-00001.parquet")
+    Journal(table).append([record(p.name, [p]) for p in (kept, replaced)])
+    (tmp_path / "t" / replaced.name).write_bytes(b"swor")  # same size: only its sha256 can tell
+    assert list(Journal(table).load()) == [kept.name]
+    assert f"{tmp_path / 't' / replaced.name} does not hash to the sha256 its journal record holds" in caplog.text
 
 
 def test_a_later_record_of_a_key_replaces_an_earlier_one(tmp_path):
@@ -103,12 +114,13 @@ def test_a_missing_table_directory_has_no_records(tmp_path):
 
 def test_on_s3_it_loads_what_was_recorded(s3_bucket):
     table = f"s3://{s3_bucket}/run/iter_0000/scores"
-    parts = [write_part(table, f"part-{i:05d}.parquet") for i in range(3)]
+    parts = [write_part(table, f"part-{i:05d}.parquet") for i in range(4)]
     with Journal(table).writer() as writer:
         for part in parts:
             writer.add(record(part.name, [part], counts={"n": 1}))
     fs, path = resolve(join(table, parts[1].name))
     fs.rm(path)
+    write_bytes_atomic(join(table, parts[3].name), b"swor")  # same size, other bytes
     assert sorted(Journal(table).load()) == [parts[0].name, parts[2].name]
 
 

@@ -1,5 +1,6 @@
-"""A resumed sharded stage takes its finished shards from the output's journal and one listing: it reads no output
-part, keeps each recorded shard with its recorded counts, and redoes exactly the shards no intact record claims."""
+"""A resumed sharded stage takes its finished shards from the output's journal, one listing and one hash of each
+recorded part: it opens no output part as Parquet, keeps each recorded shard with its recorded counts, and redoes
+exactly the shards no intact record claims (a part changed since it was recorded, even to the same size, included)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,9 @@ def reads(monkeypatch) -> list[str]:
     return opened
 
 
-def test_a_resumed_stage_reads_no_output_part_and_redoes_exactly_the_unrecorded_shard(tmp_path, reads):
+def test_a_resumed_stage_reads_each_recorded_part_once_to_hash_it_and_redoes_exactly_the_unrecorded_shard(
+    tmp_path, reads
+):
     one = input_table(tmp_path, 1)
     run(tmp_path, one)  # shard 0 done and recorded; the crash came before shard 1
     both = input_table(tmp_path, 2)
@@ -109,7 +112,7 @@ def test_a_resumed_stage_reads_no_output_part_and_redoes_exactly_the_unrecorded_
     assert [p.name for p in parts] == ["part-00000.parquet", "part-00001.parquet"]
     assert counts == {"rows": 4.0, "shards": 2.0}  # shard 0's counts come from its record
     assert done.stat().st_mtime_ns == written_at  # not redone
-    assert not [path for path in reads if "/out/part-" in path]  # and not read back either
+    assert [path for path in reads if "/out/part-" in path] == [str(done)]  # read once, for its sha256
     assert [path.rsplit("/", 1)[-1] for path in reads if "/in/" in path] == ["part-00001.parquet"]
     assert sorted(pending(tmp_path, both)[0]) == ["part-00000.parquet", "part-00001.parquet"]
 
@@ -141,6 +144,22 @@ def test_a_recorded_part_truncated_or_deleted_since_is_redone(tmp_path):
     assert [job["name"] for job in pending(tmp_path, manifest)[2]] == ["part-00000.parquet"]
     done.unlink()
     assert [job["name"] for job in pending(tmp_path, manifest)[2]] == ["part-00000.parquet"]
+
+
+def test_a_recorded_part_replaced_by_other_rows_of_the_same_size_is_redone_with_a_warning_naming_it(tmp_path, caplog):
+    manifest = input_table(tmp_path, 1)
+    (recorded,), _ = run(tmp_path, manifest)
+    done = tmp_path / "out" / "part-00000.parquet"
+    foreign = tmp_path / "foreign.parquet"
+    write_parquet_atomic(prompts_part(["p0-1", "p0-0"]), str(foreign))  # the same rows in another order
+    assert foreign.stat().st_size == done.stat().st_size
+    shutil.copyfile(foreign, done)
+    parts, _, jobs = pending(tmp_path, manifest)
+    assert parts == {} and [job["name"] for job in jobs] == ["part-00000.parquet"]
+    assert f"{done} does not hash to the sha256 its journal record holds" in caplog.text
+    (redone,), _ = run(tmp_path, manifest)
+    assert redone == recorded  # the shard's own output again, not the file found under its name
+    assert pq.read_table(done).column("prompt_id").to_pylist() == ["p0-0", "p0-1"]
 
 
 def test_a_record_made_from_another_input_is_redone(tmp_path, caplog):
