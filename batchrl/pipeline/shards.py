@@ -25,7 +25,6 @@ row groups by range requests) checks them first with `verify_parts`, with the sa
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import warnings
@@ -34,10 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchrl.errors import DataError
-from batchrl.storage import join, read_parquet, resolve, write_parquet_atomic
+from batchrl.storage import join, parquet_from_bytes, read_parquet, resolve, write_parquet_atomic
 from batchrl.storage.fs import sha256_of_each
 from batchrl.storage.journal import Journal, record, record_parts
 from batchrl.storage.manifest import Manifest, PartInfo, file_sizes
@@ -136,7 +134,7 @@ def read_verified_parquet(uri: str, *, sha256: str | None) -> pa.Table:
         raise _missing_part(uri) from None
     if hashlib.sha256(data).hexdigest() != sha256:
         raise _changed_part(uri)
-    return pq.read_table(io.BytesIO(data))
+    return parquet_from_bytes(data)
 
 
 def verify_parts(table_dir: str, parts: list[PartInfo]) -> None:
