@@ -230,13 +230,18 @@ def _run(
     cfg = _load(pipeline, overrides, run_id)
     _setup_logging(verbose)
     from batchrl.api import Pipeline
-    from batchrl.errors import DataError
+    from batchrl.errors import DataError, ProcessCrash
+    from batchrl.pipeline import interrupts
     from batchrl.pipeline.lock import RunLockedError
     from batchrl.storage import StorageError, is_transient_storage_error
 
     try:
         summary = Pipeline(cfg).run(from_stage=from_stage, iteration=iteration, verify=verify).summary
     except Exception as err:
+        crash = _find_cause(err, lambda e: isinstance(e, ProcessCrash))
+        if crash is not None and interrupts.received() is None:  # a process killed by our SIGTERM is no crash
+            typer.echo(f"internal failure: {crash.one_line()}", err=True)
+            raise typer.Exit(EXIT_FAILED) from None
         transient = _find_cause(err, is_transient_storage_error)
         if transient is not None:
             typer.echo(
@@ -478,12 +483,12 @@ def _user_code_importable_from_cwd() -> None:
 
 
 def main() -> None:
-    """Runs the command, then leaves without interpreter finalisation.
+    """Runs the command and exits with its code (see EXIT_CODES_HELP).
 
-    Why: with pyarrow 26 and fsspec 2026.7, a process that read Parquet through a Python file object aborts
-    at exit in about half the runs ("terminate called without an active exception", SIGABRT): a native thread
-    pool is torn down during finalisation. Every output is written and flushed by then, so the exit code is
-    the command's. Seen with `batchrl inspect`; the trainer ranks exit the same way for a similar gloo issue.
+    The interpreter finalises as usual. It once did not (os._exit): a process that had read Parquet through a
+    Python file object aborted at exit in about half the runs (SIGABRT, "terminate called without an active
+    exception"). The cause was Arrow's thread pool freeing those buffers during finalisation (apache/arrow#50482),
+    and storage no longer hands Arrow such buffers (see storage/fs.py; tests/unit/test_parquet_reads.py).
     """
     _user_code_importable_from_cwd()
     try:
@@ -498,9 +503,7 @@ def main() -> None:
             raise
         error.show()  # a (vendored) click.ClickException: a usage mistake, exit 2
         code = error.exit_code
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

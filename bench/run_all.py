@@ -16,6 +16,7 @@ HEADER = ["| benchmark | metric | value (target) |", "|---|---|---|"]
 OPT_IN = {  # stem -> why it is not in the default run
     "bench_trl": "needs the bench extra (pip install -e '.[bench]') and takes ~5 min on 2 idle cores (12 iterations "
     "of batchrl and of TRL's GRPOTrainer, 3 evaluations; 2-3x that on a busy machine)",
+    "bench_soak": "22 quickstart runs in a row (20 plain, 1 overlapped, 1 PPO): about an hour on 2 idle cores",
 }
 
 

@@ -140,6 +140,7 @@ class _Pool:
         if self._closed:
             return
         self._closed = True
+        running = [w for w in self.workers if w["process"].poll() is None]
         for w in self.workers:
             try:
                 w["process"].stdin.close()
@@ -151,6 +152,15 @@ class _Pool:
                 w["process"].wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        for w in running:  # a native crash at a rank's exit is reported, not hidden (the work was done)
+            code = w["process"].returncode
+            if code is not None and code < 0:
+                logger.warning(
+                    "resident update rank %d died of %s while shutting down; its stderr tail:\n%s",
+                    w["rank"],
+                    signal_name(code),
+                    _tail(w["stderr_path"]),
+                )
         _kill_all(self.workers)
         shutil.rmtree(self.log_dir, ignore_errors=True)
 

@@ -359,6 +359,8 @@ def serve() -> None:
         Path(f"{spec_path}.rank{rank}.done").touch()
         sys.stdout.flush()
         sys.stderr.flush()
+    if ctx is not None:  # stdin closed: the pool is shut down; leave as a one-shot rank does
+        dist.destroy_process_group()
 
 
 def _commands():
@@ -401,12 +403,10 @@ def main() -> None:
         if metrics is not None:
             write_json_atomic(spec.metrics_path, metrics)
         dist.destroy_process_group()
-    # Skip interpreter finalisation: gloo's worker threads can still hold tensors whose destruction during
-    # teardown aborts the process (SIGABRT, "terminate called without an active exception"; seen in CI).
-    # Everything this rank owed is written and flushed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The interpreter finalises as usual (the rank once skipped it with os._exit after an abort at exit seen in CI,
+    # "terminate called without an active exception": a native thread freeing a Python-owned buffer while the
+    # interpreter finalised; the Parquet case is explained and avoided in storage/fs.py). The process group is
+    # destroyed first, so gloo's threads are joined before finalisation starts.
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from batchrl.errors import ProcessCrash
 from batchrl.pipeline.deadlines import DeadlineStats, ShardTimeout, run_with_deadlines, task_retries
 
 
@@ -75,6 +76,7 @@ def test_an_actor_that_dies_is_restarted_and_its_job_retried_a_bounded_number_of
     flaky = run(toy_actors(1, tmp_path), [{"name": "flaky", "dies": 1}], stats=stats, timeout_s=300.0)
     assert list(flaky) == ["flaky"]
     assert stats.timeouts == 0 and (tmp_path / "flaky").read_text() == "2"
-    with pytest.raises(RuntimeError, match=r"toy: job doomed lost its actor, and Ray's retries too"):
+    with pytest.raises(ProcessCrash, match=r"the actor of toy: job doomed \(after Ray's retries\) died of ") as crash:
         list(run(toy_actors(1, tmp_path), [{"name": "doomed", "dies": 99}], timeout_s=None))
+    assert "run the same command to resume" in crash.value.one_line() and crash.value.details
     assert (tmp_path / "doomed").read_text() == "4"  # the first run and task_retries(1, 2) = 3 retries

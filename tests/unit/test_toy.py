@@ -188,3 +188,38 @@ def test_the_sft_warm_toy_model_is_the_same_bits_whatever_kernels_and_threads_th
     # build pinned its own arithmetic, that alone gave other weights after 3 SFT steps (measured).
     pinned = _warm_toy_model_digest()
     assert _warm_toy_model_digest(ATEN_CPU_CAPABILITY="default", OMP_NUM_THREADS="1") == pinned
+
+
+def _kernels_available() -> set[str]:
+    flags = " ".join(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    return {name for name, flag in (("avx2", "avx2"), ("avx512", "avx512f")) if flag in flags}
+
+
+def _build_with_kernels(out: Path, kernels: str) -> bytes:
+    """The toy build (8 SFT steps) in a child process that runs ATen's `kernels` ("avx2", "avx512"), unpinned."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    args = {"tmp_dir": str(out), "seed": 0, "sft_steps": 8, "sft_format_share": 0.4, "max_operand": 20}
+    code = "import sys; from batchrl_toy.assets import build_model_dir_here; build_model_dir_here(sys.argv[1])"
+    env = os.environ | {"ATEN_CPU_CAPABILITY": kernels, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env, check=True, capture_output=True)
+    return (out / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_kernels_available() != {"avx2", "avx512"}, reason="needs a CPU with AVX-512 (and so AVX2)")
+def test_the_toy_build_runs_the_avx2_kernels_on_an_avx512_cpu_so_its_weights_are_an_avx2_cpus(tmp_path, monkeypatch):
+    """README: the initial policy is the same bits on every x86-64 CPU with AVX2. On an AVX-512 CPU, ATen's AVX-512
+    kernels give other weights than its AVX2 ones after a few SFT steps (the control), and the toy build, asked for
+    AVX-512 by its caller's environment, still gives the AVX2 bits (what an AVX2-only CPU computes)."""
+    from batchrl_toy.assets import _build_model_dir
+
+    avx2, avx512 = _build_with_kernels(tmp_path / "avx2", "avx2"), _build_with_kernels(tmp_path / "avx512", "avx512")
+    assert avx2 != avx512, "ATen's AVX-512 and AVX2 kernels gave the same weights: the control shows nothing"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    _build_model_dir(tmp_path / "pinned", 0, 8, 0.4, 20)
+    assert (tmp_path / "pinned" / "model.safetensors").read_bytes() == avx2
+    assert '"cpu_capability": "AVX2"' in (tmp_path / "pinned" / "_TOY_MODEL.json").read_text()
