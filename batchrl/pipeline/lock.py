@@ -10,6 +10,10 @@ retried on a new node, an Airflow worker lost). Otherwise the run is refused (ex
 ``batchrl unlock RUN_DIR``, which refuses while the holder is alive on this host. Clocks of different hosts
 must agree to well within ``EXPIRES_AFTER_S``. A holder that finds its lock taken over (it was paused past
 the expiry) interrupts itself rather than keep writing beside the new holder.
+
+The lock is not released while a thread of the run may still write: one registered with `held_until` (an overlapped
+update the run could not stop) keeps it held past the end of the ``with`` block until the thread has ended; if the
+process exits first, the lock is left behind with a dead pid, and the next run takes it over.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class RunLock:
         self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "since": now, "heartbeat": now}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._writers: dict[str, threading.Event] = {}  # writer -> set when it has ended (held_until)
 
     def __enter__(self) -> RunLock:
         try:
@@ -86,7 +91,29 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         with deferred():  # a stop signal must not leave the lock behind
-            self._release()
+            writing = {writer: ended for writer, ended in self._writers.items() if not ended.is_set()}
+            if writing:
+                logger.warning(
+                    "the run lock %s stays held until %s has ended (or this process exits)",
+                    self.uri,
+                    ", ".join(writing),
+                )
+                threading.Thread(
+                    target=self._release_after, args=(list(writing.values()),), name="batchrl-lock-release", daemon=True
+                ).start()
+            else:
+                self._release()
+
+    def held_until(self, ended: threading.Event, *, writer: str) -> None:
+        """Keeps the lock held, past the end of the ``with`` block, until ``ended`` is set: a thread that may still
+        write into the run directory (``writer``, an update the run could not stop) sets it when it ends. The heartbeat
+        goes on meanwhile; if this process exits first, the lock is left to be taken over as stale."""
+        self._writers[writer] = ended
+
+    def _release_after(self, writers: list[threading.Event]) -> None:
+        for ended in writers:
+            ended.wait()
+        self._release()
 
     def _release(self) -> None:
         self._stop.set()

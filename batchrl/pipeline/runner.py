@@ -78,6 +78,7 @@ from batchrl.tracking import Trackers, check_tracking, tracking_session
 logger = logging.getLogger(__name__)
 
 STARTED_MARKER = "_STARTED.json"
+BACKGROUND_STOP_S = 30.0  # how long an error or interrupt waits for the update in flight once its stage is closed
 
 
 @dataclass
@@ -386,9 +387,11 @@ class Runner:
         self.embedded_ray = False  # set when the runner starts its own local Ray (see _ray_session)
         self.summary = RunSummary(run_dir=self.layout.run_dir)
         self.trackers = Trackers([])  # opened in run()
-        # run.max_staleness > 0: (the update step in flight, its thread, its outcome), and the iterations recorded
-        self._background: tuple[PlannedStage, threading.Thread, dict] | None = None
+        # run.max_staleness > 0: (the update step in flight, set when its thread ends, its outcome), and the iterations
+        # recorded
+        self._background: tuple[PlannedStage, threading.Event, dict] | None = None
         self._recorded = 0
+        self._run_lock: RunLock | None = None  # held by run()
 
     def _plan(self, **options) -> None:
         self.steps = build_plan(self.cfg, lineage=self.lineage, count_iterations=False, **options)
@@ -405,7 +408,8 @@ class Runner:
 
     def run(self) -> RunSummary:
         self.check_inputs()  # config errors surface here, before the run directory is touched
-        with RunLock(self.layout.lock), reaping_orphans():  # nothing the run starts outlives the driver
+        # reaping_orphans: nothing the run starts outlives the driver
+        with RunLock(self.layout.lock) as self._run_lock, reaping_orphans():
             self._write_run_yaml()  # first: `batchrl status` reads it, even of a run killed while starting
             with (
                 tracking_session(
@@ -461,16 +465,21 @@ class Runner:
         is in flight: the next update reads this one's policy, so it waits for it (`_await_inputs`)."""
         self._await_background()
         outcome: dict[str, BaseException] = {}
+        # Set by the thread itself, last. Not Thread.join()/is_alive(): a join that a SIGTERM interrupts marks the
+        # thread stopped while it runs on (CPython 3.11's bpo-45274 workaround in _wait_for_tstate_lock releases its
+        # lock), so the wait for it after a stop would end at once.
+        ended = threading.Event()
 
         def work() -> None:
             try:
                 self.stage(name, iteration)
             except BaseException as error:  # re-raised in the main thread by _await_background
                 outcome["error"] = error
+            finally:
+                ended.set()
 
-        thread = threading.Thread(target=work, name=f"batchrl-{name}-{iteration}", daemon=True)
-        self._background = (self.plan[(name, iteration)], thread, outcome)
-        thread.start()
+        self._background = (self.plan[(name, iteration)], ended, outcome)
+        threading.Thread(target=work, name=f"batchrl-{name}-{iteration}", daemon=True).start()
 
     def _await_inputs(self, step: PlannedStage) -> None:
         """Waits for the update in flight when ``step`` reads its table or policy, or writes the same table."""
@@ -484,22 +493,32 @@ class Runner:
     def _await_background(self) -> None:
         if self._background is None:
             return
-        _, thread, outcome = self._background
-        thread.join()
+        _, ended, outcome = self._background
+        ended.wait()
         self._background = None
         if "error" in outcome:
             raise outcome["error"]
 
     def _abandon_background(self) -> None:
-        """On an error or interrupt in the main thread: stop the update in flight (its ranks), wait a little for its
-        thread, and leave; what it did not commit is redone on resume, as after a crash."""
+        """On an error or interrupt in the main thread: close the update's stage (resident ranks end once the update in
+        flight, which holds them, is done; fresh ranks and Ray actors are not stopped by it), wait a little for its
+        thread, and leave; what it did not commit is redone on resume, as after a crash. A thread still running then
+        may yet publish its policy and commit its manifest, so the run lock stays held until it ends (`held_until`):
+        no other run may write the run directory beside it."""
         if self._background is None:
             return
-        step, thread, _ = self._background
+        step, ended, _ = self._background
         self._background = None
         with deferred():
             self.stages[step.name].close()
-        thread.join(timeout=30)
+        if not ended.wait(timeout=BACKGROUND_STOP_S) and self._run_lock is not None:
+            logger.error(
+                "%s did not stop within %.0f s of its stage being closed: the run lock stays held until it ends, or "
+                "until this process exits (the next run then takes the lock over)",
+                step.label,
+                BACKGROUND_STOP_S,
+            )
+            self._run_lock.held_until(ended, writer=step.label)
 
     def _record_finished(self) -> None:
         """Writes the metrics of the iterations whose stages are all done, in order (with overlapped iterations an

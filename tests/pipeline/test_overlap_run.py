@@ -1,17 +1,39 @@
 """Overlapped iterations (run.max_staleness: 1) in real runs: iteration i generates with policy i-2 while iteration
 i-1's update trains; the tables record the policy version; the old log-probs are recomputed from the behaviour
 policy's checkpoint; the metrics count the lag; the rows equal a strict run's where the policy versions agree; a
-run killed with two iterations in flight resumes to the same rows and weights. Tiny runs: HF engine, gloo update."""
+run killed with two iterations in flight resumes to the same rows and weights; a run stopped while its update
+cannot be stopped keeps the run lock until the update has ended. Tiny runs: HF engine, gloo update."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from harness import REPO, cli_ok, kill_run_when, pausing_stage, read_metrics, read_rows, start_cli, write_pipeline
+from harness import (
+    REPO,
+    cli_ok,
+    kill_run_when,
+    merged,
+    pausing_stage,
+    read_metrics,
+    read_rows,
+    start_cli,
+    tiny_pipeline,
+    write_pipeline,
+)
+
+from batchrl.api import Pipeline
+from batchrl.pipeline.lock import lock_holder
 
 pytestmark = pytest.mark.slow
 
@@ -111,3 +133,93 @@ def test_a_run_killed_with_two_iterations_in_flight_resumes_to_the_rows_and_weig
         weights = f"iter_{iteration:04d}/policy/model.safetensors"
         assert _sha256(resumed / weights) == _sha256(expected / weights), weights
     assert [m["iteration"] for m in read_metrics(resumed)] == [0, 1, 2]
+
+
+def _children() -> dict[int, bytes]:
+    """This process's child processes: pid -> command line."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1]) == os.getpid():
+                children[int(entry.name)] = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+    return children
+
+
+@contextlib.contextmanager
+def stuck_update_ranks() -> Iterator[Callable[[], None]]:
+    """Stops (SIGSTOP) the update ranks this process starts as they appear, and with the first the run's watchdog,
+    which would otherwise stop them when the run ends: an update that nothing stops, as a rank hung in I/O or in a
+    collective is. Yields the function that lets the ranks go on; everything is let go at the end."""
+    ranks, watchdogs, done = set(), set(), threading.Event()
+
+    def freeze() -> None:
+        while not done.wait(0.05):
+            for pid, command in _children().items():
+                if b"batchrl.trainer.worker" in command and pid not in ranks:
+                    os.kill(pid, signal.SIGSTOP)
+                    ranks.add(pid)
+                if ranks and b"reaper.py" in command and pid not in watchdogs:
+                    os.kill(pid, signal.SIGSTOP)
+                    watchdogs.add(pid)
+
+    def go_on(pids: set[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    freezer = threading.Thread(target=freeze, daemon=True)
+    freezer.start()
+    try:
+        yield lambda: go_on(ranks)
+    finally:
+        done.set()
+        freezer.join()
+        go_on(ranks | watchdogs)
+
+
+def interrupt_when_logged(caplog, message: str) -> None:
+    """SIGINT to this process (a KeyboardInterrupt in its main thread, as batchrl's SIGTERM handler raises) a second
+    after a log record containing ``message``."""
+
+    def wait_then_interrupt() -> None:
+        deadline = time.monotonic() + 600
+        while not any(message in record.getMessage() for record in list(caplog.records)):
+            if time.monotonic() > deadline:
+                return  # the run never got there: its own failure says why
+            time.sleep(0.1)
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=wait_then_interrupt, daemon=True).start()
+
+
+def test_a_run_stopped_while_its_update_cannot_be_stopped_holds_the_run_lock_until_the_update_has_ended(
+    tmp_path, toy_model_dir, toy_prompts_dir, caplog
+):
+    raw = merged(
+        tiny_pipeline(model=toy_model_dir, prompts=toy_prompts_dir, root=str(tmp_path)),
+        {
+            "name": "stuck",
+            "run": {"iterations": 2, "max_staleness": 1},
+            "data.max_prompts": 4,  # one shard: every stage runs in this process
+            "score.rewards": [{"reward": "gsm8k"}],  # a reward this process imports (tests/stages is not on its path)
+            "update.trainer_lifetime": "stage",  # fresh ranks, which closing the stage does not stop
+            "tracking.progress_bars": False,
+        },
+    )
+    caplog.set_level(logging.INFO, logger="batchrl")
+    run_dir = tmp_path / "stuck"
+    with stuck_update_ranks() as let_the_ranks_go_on:
+        interrupt_when_logged(caplog, "iter 1 generate: done")  # iteration 0's update in flight, its ranks stopped
+        with pytest.raises(KeyboardInterrupt):
+            Pipeline.from_dict(raw).run()
+        assert "iter 0 update did not stop within 30 s" in caplog.text
+        assert lock_holder(str(run_dir / "run.lock"))["pid"] == os.getpid()  # the update can still write: held
+        let_the_ranks_go_on()
+        deadline = time.monotonic() + 600
+        while lock_holder(str(run_dir / "run.lock")) is not None:
+            assert time.monotonic() < deadline, "the run lock was not released once the update ended"
+            time.sleep(0.2)
+    assert (run_dir / "iter_0000" / "policy" / "_MANIFEST.json").exists()  # published while the lock was held

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -399,6 +400,21 @@ def test_the_lock_holder_refreshes_its_heartbeat_and_unlock_refuses_a_live_holde
         assert json.loads(Path(uri).read_text())["heartbeat"] > first
         with pytest.raises(RunLockedError, match="alive on this host"):
             break_lock(uri)
+
+
+def test_a_lock_held_until_a_writer_has_ended_outlives_its_with_block_until_then(tmp_path):
+    uri = str(tmp_path / "run" / "run.lock")
+    ended = threading.Event()  # an update the run could not stop
+    with RunLock(uri) as held:
+        held.held_until(ended, writer="iter 0 update")
+    assert json.loads(Path(uri).read_text())["pid"] == os.getpid()
+    with pytest.raises(RunLockedError, match="alive on this host"):
+        break_lock(uri)
+    ended.set()
+    deadline = time.monotonic() + 30
+    while Path(uri).exists():
+        assert time.monotonic() < deadline, "the lock was not released once the writer had ended"
+        time.sleep(0.05)
 
 
 def test_a_run_that_found_no_new_file_passes_its_policy_and_seen_files_on_to_the_next(tmp_path):
