@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from batchrl.config import ConfigError, PipelineConfig
+from batchrl.errors import ProcessCrash
 from batchrl.pipeline.devices import RANK_DEVICES_ENV, needs_split, overlap_gpu_split, visible_gpus
 from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.lineage import (
@@ -520,6 +521,18 @@ class Runner:
             )
             self._run_lock.held_until(ended, writer=step.label)
 
+    def _record_crash(self, step: PlannedStage, crash: ProcessCrash) -> None:
+        """Names the stage on a process's native crash and keeps its details under the run (`_logs/`), for the one
+        line the command line prints instead of a traceback."""
+        crash.stage = step.label
+        crash.log_path = self.layout.crash_log(step.label, crash.process)
+        try:
+            write_bytes_atomic(crash.log_path, f"{crash}\n\n{crash.details}\n".encode())
+        except OSError as error:  # the crash is what matters; its log is a courtesy
+            logger.warning("could not write the crash log %s: %r", crash.log_path, error)
+            crash.log_path = None
+        logger.debug("%s: %s\n%s", step.label, crash, crash.details)
+
     def _record_finished(self) -> None:
         """Writes the metrics of the iterations whose stages are all done, in order (with overlapped iterations an
         iteration finishes after the next one's first stages)."""
@@ -563,7 +576,11 @@ class Runner:
         self._prepare_output_dir(step, stage)
         logger.info("%s: running%s", step.label, f" (redoing damaged {damaged_names(step)})" if damaged else "")
         started = time.time()
-        output = stage.run(ctx)
+        try:
+            output = stage.run(ctx)
+        except ProcessCrash as crash:
+            self._record_crash(step, crash)
+            raise
         manifest = Manifest(
             stage=name,
             table=stage.table,

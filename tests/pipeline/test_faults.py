@@ -444,12 +444,18 @@ def session_processes(sid: int) -> list[str]:
     """Command lines of the live processes of session ``sid``: a run started by start_cli and everything it
     started (Ray's processes and update ranks stay in their driver's session). Zombies are not counted: they hold
     nothing, and whether they are reaped is up to init."""
+    return [command for _, command in session_pids(sid)]
+
+
+def session_pids(sid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each live process of session ``sid`` (see session_processes)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
             if int(fields[3]) == sid and fields[0] != b"Z":
-                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append((int(entry.name), command))
         except (OSError, ValueError, IndexError):
             continue  # not a process, or gone meanwhile
     return found
@@ -519,3 +525,38 @@ def test_a_driver_killed_with_sigkill_mid_stage_leaves_no_process_behind(tmp_pat
         wait_until_none_left(process.pid, timeout=30)
     finally:
         kill_group(process.pid)
+
+
+def test_an_update_rank_dying_of_a_signal_stops_the_run_with_one_line_and_a_log_and_the_resume_redoes_its_policy(
+    reference, tmp_path
+):
+    """A native crash in a rank (SIGABRT here, as glibc's "free(): invalid size" raises it): exit 1 with one line
+    naming the stage, the rank and the signal, the log with the rank's stderr, nothing of that update committed."""
+    path, expected_run = reference
+    run = expected_run.parent / "rank-abort"
+    log = tmp_path / "abort.log"
+    process = start_cli("run", path, "--run-id", run.name, log=log)
+    try:
+
+        def a_rank() -> list[int]:
+            return [pid for pid, command in session_pids(process.pid) if UPDATE_RANK in command]
+
+        wait_for(lambda: a_rank() or process.poll() is not None, timeout=600)
+        assert process.poll() is None, f"the run ended before its update:\n{log.read_text()[-4000:]}"
+        os.kill(a_rank()[0], signal.SIGABRT)
+        code = process.wait(timeout=120)
+    finally:
+        kill_group(process.pid)
+    output = log.read_text()
+    crash_log = run / "_logs" / "iter_0_update-update_rank_0.log"
+    assert code == 1, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    assert [line for line in output.splitlines() if "died of" in line] == [
+        f"internal failure: update rank 0 died of SIGABRT in iter 0 update; details in {crash_log}; "
+        "run the same command to resume"
+    ]
+    assert "update rank 0 exited with code -6; stderr tail:" in crash_log.read_text()
+    assert not (run / "iter_0000" / "policy" / "_MANIFEST.json").exists()
+
+    cli_ok("run", path, "--run-id", run.name)
+    assert_same_rows(expected_run, run)
