@@ -16,8 +16,8 @@ heap damage aborts where it happens rather than at some later free(); core dumps
 land where the kernel's core_pattern says.
 
 Target: 0 crashes in N (N=20 by default: `python bench/bench_soak.py 20`; `make bench BENCH=soak` runs the
-default). It takes N times a quickstart run: ~2-4 min each on 2 idle cores, so about an hour for the default;
-it is opt-in in run_all.py for that reason.
+default, `BATCHRL_SOAK_RUNS=5 make bench BENCH=soak` another N). It takes N times a quickstart run: ~2-4 min
+each on 2 idle cores, so about an hour for the default; it is opt-in in run_all.py for that reason.
 """
 
 from __future__ import annotations
@@ -106,4 +106,5 @@ def main(n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20)
+    # N: the argument, else BATCHRL_SOAK_RUNS (how `make bench BENCH=soak` takes another N), else 20
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("BATCHRL_SOAK_RUNS", "20")))
