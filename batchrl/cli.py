@@ -67,6 +67,14 @@ def _setup_logging(verbose: bool) -> None:
     quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     for name, value in ({"VLLM_LOGGING_LEVEL": "DEBUG"} if verbose else quiet).items():
         os.environ.setdefault(name, value)
+    if not verbose and "RAY_BACKEND_LOG_LEVEL" not in os.environ:
+        # The driver's own Ray core (C++) logs errors to stderr as well as to its log file, among them one per Ray
+        # Data actor pool (a stage's shards, pipeline/shards.py): "core_worker.cc: Actor ... has constructor
+        # arguments in the object store and max_restarts > 0". Ray Data passes the pool's function by reference
+        # and the restarts are ours, on purpose; the restart that line warns of is Ray Data's to keep working.
+        # os.putenv, not os.environ: for this process alone. os.environ is what Ray copies for the gcs_server and
+        # raylet it starts, so they and their workers keep their full logs in Ray's session directory.
+        os.putenv("RAY_BACKEND_LOG_LEVEL", "fatal")
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         stream=sys.stderr,
@@ -410,37 +418,77 @@ def unlock(
 @app.command()
 def inspect(
     table: str = typer.Argument(
-        ..., help="A stage table directory, a Parquet file or a run directory (local or s3://)."
+        ...,
+        help="A stage table directory, a side table of one (prompts/_rejects), a Parquet file or a run directory "
+        "(local or s3://).",
     ),
     rows: int = typer.Option(3, "--rows", "-n", help="Rows to show."),
 ) -> None:
-    """Print the schema, row count and first rows of a stage table."""
+    """Print the schema, row count and first rows of a stage table; of a run directory, its tables."""
     _require_s3_credentials(table)
-    from batchrl.storage import StorageError, join, read_parquet
-    from batchrl.storage.manifest import read_manifest
+    from batchrl.storage import StorageError, read_parquet
 
-    manifest = None if table.endswith(".parquet") else read_manifest(table)
-    if manifest is None and not table.endswith(".parquet") and _is_run_dir(table):
-        from batchrl.tracking import describe_run
-
-        typer.echo(describe_run(table))
-        return
+    files, schema = _inspected_files(table)
     try:
-        if manifest is not None:
-            files = [join(table, p.name) for p in manifest.parts]
-            typer.echo(
-                f"{manifest.stage} stage table, fingerprint {manifest.fingerprint}, {len(files)} part(s), "
-                f"{manifest.num_rows} rows; counts {json.dumps(manifest.counts)}"
-            )
-        else:
-            files = [table]
-        first = read_parquet(files[0])
-    except (StorageError, IndexError) as err:
-        typer.echo(f"data error: cannot read {table}: {err or 'no parts'}", err=True)
+        first = read_parquet(files[0]) if files else None
+    except StorageError as err:
+        typer.echo(f"data error: cannot read {table}: {err}", err=True)
         raise typer.Exit(EXIT_DATA) from None
+    if first is None:  # a table without parts (an ingest's rejects when it rejected nothing): its declared schema
+        typer.echo(str(schema) if schema is not None else "(no schema declared)")
+        return
     typer.echo(str(first.schema))
     for row in first.slice(0, rows).to_pylist():
         typer.echo(json.dumps(row, default=str)[:2000])
+
+
+def _inspected_files(table: str):
+    """The files ``inspect`` reads of ``table``, in order, and the table's declared schema (shown when it has no
+    file), after printing what they are; a run directory is described and ends the command. Exit 3 for a path that
+    is no table."""
+    from batchrl.storage import join, resolve
+    from batchrl.storage.manifest import MANIFEST_NAME, read_manifest
+    from batchrl.tracking.tables import describe_run, side_table
+
+    fs, path = resolve(table)
+    if table.endswith(".parquet") or fs.isfile(path):
+        return [table], None  # read as Parquet, or said not to be
+    manifest = read_manifest(table)
+    if manifest is not None:
+        typer.echo(
+            f"{manifest.stage} stage table, fingerprint {manifest.fingerprint}, {len(manifest.parts)} part(s), "
+            f"{manifest.num_rows} rows; counts {json.dumps(manifest.counts)}"
+        )
+        return [join(table, p.name) for p in manifest.parts], _declared_schema(manifest.schema)
+    if _is_run_dir(table):
+        typer.echo(describe_run(table))
+        raise typer.Exit(EXIT_OK)
+    side = side_table(table)
+    if side is not None:
+        empty = "" if side.files else ": empty (its stage wrote no part, e.g. an ingest that rejected nothing)"
+        typer.echo(
+            f"{side.label}, side table of {side.table_dir.rpartition('/')[0]}, {len(side.files)} part(s), "
+            f"{side.num_rows} rows{empty}"
+        )
+        return side.files, _declared_schema(side.schema)
+    what = (
+        f"has no {MANIFEST_NAME}: it is no committed stage table (its stage has not finished, or it is not a "
+        "table's directory); `batchrl inspect RUN_DIR` lists a run's tables"
+        if fs.exists(path)
+        else "does not exist"
+    )
+    typer.echo(f"data error: {table} {what}", err=True)
+    raise typer.Exit(EXIT_DATA)
+
+
+def _declared_schema(name: str):
+    """data_schemas/<name>.json as a pyarrow schema; None for a table of files (a policy) or no such schema."""
+    from batchrl.storage.schemas import load_schema
+
+    try:
+        return load_schema(name) if name else None
+    except FileNotFoundError:
+        return None
 
 
 @app.command()

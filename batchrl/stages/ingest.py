@@ -1,8 +1,9 @@
 """ingest: prompt files (Parquet or JSON Lines) -> the validated, tokenized, sharded prompts table of the run.
 
 Row by row (layouts, reject reasons): see ingest_rows. Bad rows are not dropped silently: each goes to the rejects
-table (``prompts/_rejects/``) with a reason, and the counts go into the manifest. An unreadable file, or one
-without a required column, stops the stage (DataError, exit 3) before it writes a part.
+table (``prompts/_rejects/``, one part per chunk that rejected something: none when nothing was) with a reason,
+and the counts go into the manifest. An unreadable file, or one without a required column, stops the stage
+(DataError, exit 3) before it writes a part.
 
 Why distributed and streaming (it used to read every file whole into the driver): at 10M prompts the rows alone
 were ~41 GB in one process, and a crash restarted from zero. Now:
@@ -48,11 +49,10 @@ from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_duplicates import later_occurrences, map_groups
 from batchrl.stages.ingest_rows import check_columns, rewards_need_data_source
 from batchrl.stages.ingest_worker import IngestWorker
-from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve, write_parquet_atomic
+from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve
 from batchrl.storage.inputs import Chunk, InputFile, describe_inputs, plan_chunks
 from batchrl.storage.journal import Journal, record, record_parts
 from batchrl.storage.manifest import PartInfo, file_sizes
-from batchrl.storage.schemas import load_schema
 from batchrl.storage.sources import check_checkpoint_source
 from batchrl.tracking.progress import progress
 
@@ -336,8 +336,6 @@ class ChunkedIngest:
             for key, value in self.records[chunk.key]["counts"].items():
                 counts[key] = counts.get(key, 0) + value
         _remove_strays(self.ctx.output_dir, keep={p.name for p in parts + rejects})
-        if not rejects:  # an empty rejects table, so "what was rejected" always reads (as 0 rows) like the rest
-            rejects = [_empty_rejects_part(self.ctx.output_dir)]
         if counts.get("rejected"):
             logger.warning(
                 "ingest rejected %d row(s): %s (see %s)",
@@ -348,6 +346,7 @@ class ChunkedIngest:
         counts.setdefault("prompts", 0)
         counts.setdefault("rejected", 0)
         counts.setdefault("truncated_prompts", 0)
+        # no rejects, no part (not an empty one): readers take the manifest's empty list for an empty table
         return StageOutput(parts=parts, counts=counts, extra_parts={"rejects": rejects})
 
     def files_without_rows(self, window: list[Chunk]) -> list[str]:
@@ -405,12 +404,6 @@ class IngestPool:
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
-
-
-def _empty_rejects_part(output_dir: str) -> PartInfo:
-    name = REJECTS_DIR + "part-00000.parquet"
-    num_bytes, digest = write_parquet_atomic(load_schema("prompt_rejects").empty_table(), join(output_dir, name))
-    return PartInfo(name=name, rows=0, sha256=digest, num_bytes=num_bytes)
 
 
 def _remove_strays(output_dir: str, *, keep: set[str]) -> None:

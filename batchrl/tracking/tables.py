@@ -68,18 +68,34 @@ def _tables_of(table_dir: str, label: str, *, manifest: Manifest | None = None) 
         )
     ]
     for name, parts in sorted(manifest.extra_parts.items()):
-        if parts:  # e.g. ingest's rejects: schema <table>_<name> without the plural (prompt_rejects)
-            schema = f"{manifest.schema.rstrip('s')}_{name}"
-            out.append(
-                TableInfo(
-                    f"{label} {name}",
-                    join(table_dir, parts[0].name.rsplit("/", 1)[0]),
-                    schema,
-                    [join(table_dir, p.name) for p in parts],
-                    sum(p.rows for p in parts),
-                )
-            )
+        if parts:  # one without parts (an ingest that rejected nothing) has no file for another tool to read
+            out.append(_side_table(table_dir, f"{label} {name}", manifest, name))
     return out
+
+
+def side_table(directory: str) -> TableInfo | None:
+    """The side table at ``directory`` (``<table>/_<name>``, e.g. prompts/_rejects): the parts the table's manifest
+    lists under ``extra_parts[name]``, none when the stage wrote none (the directory need not exist then). None
+    when ``directory`` is no side table of a committed table."""
+    table_dir, _, base = directory.rstrip("/").rpartition("/")
+    manifest = read_manifest(table_dir) if table_dir and base.startswith("_") else None
+    if manifest is None or base[1:] not in manifest.extra_parts:
+        return None
+    table = manifest.table if manifest.iteration is None else f"iter {manifest.iteration} {manifest.table}"
+    return _side_table(table_dir, f"{table} {base[1:]}", manifest, base[1:])
+
+
+def _side_table(table_dir: str, label: str, manifest: Manifest, name: str) -> TableInfo:
+    """extra_parts[name] of ``manifest``, under ``table_dir``/_<name>/; its schema is <table>_<name> without the
+    plural (ingest's rejects: prompt_rejects)."""
+    parts = manifest.extra_parts[name]
+    return TableInfo(
+        label,
+        join(table_dir, f"_{name}"),
+        f"{manifest.schema.rstrip('s')}_{name}",
+        [join(table_dir, p.name) for p in parts],
+        sum(p.rows for p in parts),
+    )
 
 
 def iteration_dirs(run_dir: str) -> list[int]:
