@@ -25,15 +25,17 @@ import batchrl.stages  # noqa: F401  (registers the built-in stages, in run orde
 from batchrl.config import ConfigError, PipelineConfig, load_pipeline, validate_dict
 from batchrl.config.loader import apply_override
 from batchrl.pipeline.runner import PlannedStage, Runner, RunSummary, build_plan, check_from_stage
-from batchrl.stages.user import register_function
+from batchrl.stages.user import check_stage_calls, register_function
 
 __all__ = ["Pipeline", "PlannedStage", "Run", "RunSummary", "Runner", "build_plan", "check_from_stage"]
 
 
 class Pipeline:
-    """A validated pipeline config. Every change returns a new, re-validated Pipeline; nothing runs until run()."""
+    """A validated pipeline config, its user stages' calls checked against their functions' signatures (their modules
+    imported). Every change returns a new, re-validated Pipeline; nothing runs until run()."""
 
     def __init__(self, config: PipelineConfig):
+        check_stage_calls(config)  # its user stages' calls and params, as `batchrl validate` checks them
         self.config = config
 
     @classmethod

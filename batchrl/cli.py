@@ -90,8 +90,14 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineConfig:
+    """The pipeline validate, plan and run work on; exit 2 on a config error, before any work."""
     try:
-        return load_pipeline(pipeline, overrides=overrides, run_id=run_id)
+        cfg = load_pipeline(pipeline, overrides=overrides, run_id=run_id)
+        if cfg.stages:  # their calls and params against the functions' signatures (imports their modules)
+            from batchrl.stages.user import check_stage_calls
+
+            check_stage_calls(cfg, source=str(pipeline))
+        return cfg
     except ConfigError as err:
         typer.echo(f"config error: {err}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None

@@ -1,10 +1,13 @@
-"""References to user code, ``"package.module:function"``: custom rewards and pipeline setup steps.
+"""References to user code, ``"package.module:function"``: custom rewards, pipeline setup steps and user stages.
 
-Why one resolver: both follow the same rules. Loading a pipeline checks only a reference's form
+Why one resolver: all follow the same rules. Loading a pipeline checks only a reference's form
 (`is_reference`, a string test); the module is imported, running its top-level code, when the job starts and
 before any work (`import_reference`), so a typo fails at once with a message that names it, and a pipeline
-can be validated, planned or inspected without importing anything it names (a plan reads the source file of
-each custom reward's module, `source_digest`, so that editing the code re-runs what it scored).
+can be validated, planned or inspected without importing the rewards and setup steps it names (a plan reads the
+source file of each custom reward's module, `source_digest`, so that editing the code re-runs what it scored).
+User stages are the exception: `batchrl validate`, `plan` and `run` import their modules where they load the
+pipeline (batchrl.stages.user.check_stage_calls), because a stage's ``params`` can only be checked against its
+function's signature, and a misspelt one would otherwise surface after ingest and generation.
 """
 
 from __future__ import annotations

@@ -761,7 +761,12 @@ class UserStageConfig(_Strict):
         "the stage's actors run. Its source file is part of the stage's fingerprint: editing it re-runs the "
         "stage and everything after it.",
     )
-    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the call (see call).")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the call (see call). `batchrl validate`, `plan` and `run` import the "
+        "module and check them against the function's (or constructor's) signature before any work: an unknown "
+        "name (unless it takes **kwargs) or a missing required one is exit 2 naming stages[i].params.<name>.",
+    )
     outputs: list[str] = Field(
         ...,
         min_length=1,

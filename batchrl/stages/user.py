@@ -23,9 +23,12 @@ table for the stages after it (`Stage.takes_over`), so advantage reads a stage i
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import traceback
 from collections.abc import Callable
+from inspect import Parameter
 from typing import Any
 
 import pyarrow as pa
@@ -90,17 +93,11 @@ class UserStage(Stage):
         return entry.model_dump(include={"after", "call", "params", "outputs"}) | {"code": code_digest(entry.call)}
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
-        """Before anything is written: the call resolves to a function or a class."""
-        entry = self.entry(cfg)
-        where = f"stages[{self.index}].call"
-        if entry.call in FUNCTIONS:
-            return
-        try:
-            target = import_reference(entry.call, what=where)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        if not callable(target):
-            raise ConfigError(f"{where}={entry.call!r} is {type_phrase(target)}, not a function or a class")
+        """Before anything is written: the call resolves to a function or a class that its params fit (checked
+        when the config was loaded too, `check_stage_calls`; the module may have changed since)."""
+        problems = call_problems(self.entry(cfg), index=self.index)
+        if problems:
+            raise ConfigError("\n".join(problems))
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         entry, field = self.entry(cfg), f"stages[{self.index}]"
@@ -195,6 +192,93 @@ def _described(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     return f"{type(error).__name__}: {error}{where}"
+
+
+def check_stage_calls(cfg: PipelineConfig, *, source: str | None = None) -> None:
+    """Each ``stages:`` entry's call resolves to a function or a class, and its params fit that callable's signature:
+    one ConfigError, a line per problem naming the field (``stages[i].call``, ``stages[i].params.<name>``), after
+    ``source`` (the pipeline file) when given. Called where a pipeline is loaded to be validated, planned or run, so
+    a typo costs no ingest or generation. Imports the modules the calls name (their top-level code runs, as it would
+    in the run) and does nothing else."""
+    problems = [line for index, entry in enumerate(cfg.stages) for line in call_problems(entry, index=index)]
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {line}" if source else line for line in problems))
+
+
+def call_problems(entry: UserStageConfig, *, index: int) -> list[str]:
+    """What is wrong with ``entry``'s call and params, one line each naming the field ([] when nothing is)."""
+    where = f"stages[{index}]"
+    target = FUNCTIONS.get(entry.call)
+    if target is None:
+        try:
+            target = import_reference(entry.call, what="function")
+        except ValueError as error:
+            return [
+                f"{where}.call: {error}; name a function or class importable from the directory batchrl runs in "
+                "or from the installed packages"
+            ]
+    if not callable(target):
+        return [f"{where}.call={entry.call!r} is {type_phrase(target)}, not a function or a class"]
+    if isinstance(target, type) and "__call__" not in dir(target):  # dir: its own and its bases', not type's
+        return [f"{where}.call={entry.call!r} is a class without __call__: its instance is called with each shard"]
+    try:
+        signature = inspect.signature(target)  # a class: its constructor's, without self
+    except (TypeError, ValueError):
+        return []  # no introspectable signature (some builtins): the call decides
+    return _params_problems(signature, entry, where=where, takes_table=not isinstance(target, type))
+
+
+def _params_problems(
+    signature: inspect.Signature, entry: UserStageConfig, *, where: str, takes_table: bool
+) -> list[str]:
+    """``entry.params`` against the signature of the function (called as function(table, **params)) or of the class
+    (built as Class(**params)): unknown names (unless it takes **kwargs) and missing required ones."""
+    parameters = list(signature.parameters.values())
+    if takes_table:  # the shard's table goes to the first positional parameter
+        positional = [
+            p
+            for p in parameters
+            if p.kind in (Parameter.POSITIONAL_ONLY, Parameter.POSITIONAL_OR_KEYWORD, Parameter.VAR_POSITIONAL)
+        ]
+        if not positional:
+            return [
+                f"{where}.call: {entry.call}{signature} takes no positional parameter for the shard's table; a stage "
+                "function is called as function(table, **params)"
+            ]
+        if positional[0].kind is not Parameter.VAR_POSITIONAL:
+            parameters.remove(positional[0])
+    named = [p.name for p in parameters if p.kind in (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY)]
+    takes_any = any(p.kind is Parameter.VAR_KEYWORD for p in parameters)
+    listed = ", ".join(named) or "none"
+    problems, meant = [], set()  # meant: the parameters a misspelt name was taken for (not reported missing too)
+    for name in entry.params:
+        if name not in named and not takes_any:
+            close = difflib.get_close_matches(name, named, n=1)
+            meant.update(close)
+            problems.append(
+                f"{where}.params.{name}: {entry.call} has no parameter {name!r}"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + f" Remove it or fix its spelling (its parameters: {listed})"
+            )
+    missing = [
+        p.name
+        for p in parameters
+        if p.kind in (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY)
+        and p.default is p.empty
+        and p.name not in entry.params
+        and p.name not in meant
+    ]
+    if missing:
+        problems.append(
+            f"{where}.params: {entry.call} needs {', '.join(map(repr, missing))}: add "
+            f"{'it' if len(missing) == 1 else 'them'} under params (its parameters: {listed})"
+        )
+    if not problems:
+        try:  # what the checks above do not cover (a positional-only parameter, a name given twice)
+            signature.bind(*([None] if takes_table else []), **entry.params)
+        except TypeError as error:
+            problems.append(f"{where}.params: {entry.call}{signature} cannot be called with them ({error})")
+    return problems
 
 
 def checked_output(before: pa.Table, after: Any, *, stage: str, outputs: list[str], schema: pa.Schema) -> pa.Table:

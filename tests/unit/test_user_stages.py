@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
+from harness import cli, write_yaml
 
 import batchrl.api  # noqa: F401  (registers the built-in stages and the user-stage provider)
+from batchrl.api import Pipeline
 from batchrl.config import ConfigError, validate_dict
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import STAGES, source_table, stage_order, sync_stages
-from batchrl.stages.user import checked_output
+from batchrl.stages.user import check_stage_calls, checked_output, register_function
 from examples.prompt_shaping import shape_by_prompt_length
 from examples.safety_filter import SafetyFilter
 
@@ -74,6 +76,90 @@ def test_a_bad_stage_entry_is_a_config_error_naming_the_field(change, message):
 def test_two_stages_of_one_name_are_a_config_error():
     with pytest.raises(ValueError, match=r"stages\[1\]\.name='safety' is used twice"):
         config([SAFETY, SAFETY])
+
+
+BONUS_STAGE = """
+def add_bonus(table, *, bonus):
+    raise RuntimeError("never called: the params are checked before any work")
+"""
+
+
+def test_a_misspelt_param_stops_validate_plan_and_run_with_exit_2_naming_the_field_before_any_work(tmp_path):
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "bonus_stage.py").write_text(BONUS_STAGE)
+    stage = {"name": "bonus", "after": "score", "call": "bonus_stage:add_bonus", "params": {"bonnus": 0.1}}
+    raw = {
+        "name": "p",
+        "run": {"root": str(tmp_path / "runs")},
+        "model": {"path": "m"},
+        "data": {"train_files": [str(tmp_path / "prompts")]},
+        "stages": [stage | {"outputs": ["scores"]}],
+    }
+    path = write_yaml(tmp_path / "p.yaml", raw)
+    for command in ("validate", "plan", "run"):
+        result = cli(command, path, path_first=[tmp_path / "code"])
+        assert result.returncode == 2, (command, result.stderr)
+        assert result.stderr == (
+            f"config error: {path}: stages[0].params.bonnus: bonus_stage:add_bonus has no parameter 'bonnus'; "
+            "did you mean 'bonus'? Remove it or fix its spelling (its parameters: bonus)\n"
+        ), command
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"call": "no_such_module_xyz:f"}, r"^stages\[0\]\.call: cannot import module 'no_such_module_xyz'"),
+        (
+            {"call": "examples.prompt_shaping:shape_by_length"},
+            r"^stages\[0\]\.call: .* module 'examples\.prompt_shaping' has no attribute 'shape_by_length'",
+        ),
+        ({"call": "examples.prompt_shaping:pa"}, r"^stages\[0\]\.call='examples\.prompt_shaping:pa' is a module"),
+        (
+            {"params": {"tokens_per_prompt_token": 0.5, "penalty_per_token": 0.05}},
+            r"^stages\[0\]\.params: examples\.prompt_shaping:shape_by_prompt_length needs 'min_budget': add it "
+            r"under params",
+        ),
+    ],
+)
+def test_a_call_that_does_not_resolve_or_params_that_miss_one_are_config_errors_naming_the_field(change, message):
+    with pytest.raises(ConfigError, match=message):
+        check_stage_calls(config([SHAPING | change]))
+
+
+def test_a_class_is_checked_against_its_constructor_and_must_be_callable():
+    with pytest.raises(ConfigError) as error:
+        check_stage_calls(config([SAFETY, SAFETY | {"name": "typo", "params": {"banned_word": ["x"]}}]))
+    assert str(error.value) == (  # one line for the mistake: 'banned_words' is not said to be missing as well
+        "stages[1].params.banned_word: examples.safety_filter:SafetyFilter has no parameter 'banned_word'; did you "
+        "mean 'banned_words'? Remove it or fix its spelling (its parameters: banned_words, min_safety)"
+    )
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.call='batchrl\.config:PipelineConfig' is a class without"):
+        check_stage_calls(config([SAFETY | {"call": "batchrl.config:PipelineConfig", "params": {}}]))
+
+
+def add_bonus(table, *, bonus):
+    return table
+
+
+def takes_any_params(table, **params):
+    return table
+
+
+def takes_no_table(*, bonus):
+    return None
+
+
+def test_a_function_taking_kwargs_takes_any_params_and_one_without_a_positional_parameter_none():
+    check_stage_calls(config([SHAPING | {"call": register_function(takes_any_params), "params": {"x": 1}}]))
+    with pytest.raises(ConfigError, match=r"takes no positional parameter for the shard's table"):
+        check_stage_calls(config([SHAPING | {"call": register_function(takes_no_table), "params": {"bonus": 1}}]))
+
+
+def test_the_python_api_checks_an_inserted_functions_params_when_it_is_inserted():
+    pipeline = Pipeline.from_dict({"name": "p", "model": {"path": "m"}, "data": {"train_files": ["d"]}})
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.params\.bonnus: .* did you mean 'bonus'\?"):
+        pipeline.insert_after("score", add_bonus, name="b", outputs=["scores"], params={"bonnus": 1})
 
 
 def shard() -> pa.Table:
