@@ -67,14 +67,6 @@ def _setup_logging(verbose: bool) -> None:
     quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     for name, value in ({"VLLM_LOGGING_LEVEL": "DEBUG"} if verbose else quiet).items():
         os.environ.setdefault(name, value)
-    if not verbose and "RAY_BACKEND_LOG_LEVEL" not in os.environ:
-        # The driver's own Ray core (C++) logs errors to stderr as well as to its log file, among them one per Ray
-        # Data actor pool (a stage's shards, pipeline/shards.py): "core_worker.cc: Actor ... has constructor
-        # arguments in the object store and max_restarts > 0". Ray Data passes the pool's function by reference
-        # and the restarts are ours, on purpose; the restart that line warns of is Ray Data's to keep working.
-        # os.putenv, not os.environ: for this process alone. os.environ is what Ray copies for the gcs_server and
-        # raylet it starts, so they and their workers keep their full logs in Ray's session directory.
-        os.putenv("RAY_BACKEND_LOG_LEVEL", "fatal")
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         stream=sys.stderr,
