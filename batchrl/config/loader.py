@@ -159,12 +159,19 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+# The profiles shipped with batchrl (package data: the repository's top-level conf/ links here), the fallback
+# after the user's own conf dirs.
+SHIPPED_CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
 def conf_dirs(pipeline_path: Path) -> list[Path]:
-    dirs = []
-    if os.environ.get("BATCHRL_CONF_DIR"):
-        dirs.append(Path(os.environ["BATCHRL_CONF_DIR"]))
-    dirs += [pipeline_path.resolve().parent.parent / "conf", Path.cwd() / "conf"]
-    return dirs
+    """Where ``profiles:`` are looked for, first match wins: $BATCHRL_CONF_DIR, conf/ beside the pipeline file,
+    conf/ beside its directory (a project laid out as pipelines/ + conf/), conf/ in the working directory, and
+    last the profiles shipped with batchrl, so a user's own engine/vllm_cpu.yaml overrides the shipped one."""
+    pipeline_dir = pipeline_path.resolve().parent
+    dirs = [Path(os.environ["BATCHRL_CONF_DIR"])] if os.environ.get("BATCHRL_CONF_DIR") else []
+    dirs += [pipeline_dir / "conf", pipeline_dir.parent / "conf", Path.cwd() / "conf", SHIPPED_CONF_DIR]
+    return list(dict.fromkeys(dirs))  # the working directory is often the pipeline's: look there once
 
 
 def _find_profile(name: str, *, pipeline_path: Path) -> Path:
@@ -175,7 +182,10 @@ def _find_profile(name: str, *, pipeline_path: Path) -> Path:
         if candidate.is_file():
             return candidate
     searched = ", ".join(str(c) for c in candidates)
+    shipped = ", ".join(
+        sorted(p.relative_to(SHIPPED_CONF_DIR).with_suffix("").as_posix() for p in SHIPPED_CONF_DIR.rglob("*.yaml"))
+    )
     raise ConfigError(
-        f"profiles: profile '{name}' not found (looked for {searched}); "
-        f"list conf/ for available profiles or set BATCHRL_CONF_DIR"
+        f"profiles: profile '{name}' not found (looked for {searched}); batchrl ships {shipped}; "
+        f"put yours in conf/ beside the pipeline file, or set BATCHRL_CONF_DIR to a directory holding {name}.yaml"
     )

@@ -798,7 +798,9 @@ class PipelineConfig(_Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Pipeline name (default run id).")
     profiles: list[str] = Field(
         default_factory=list,
-        description="conf/ profiles merged under this file, e.g. engine/vllm_cpu (conf/engine/vllm_cpu.yaml).",
+        description="Profiles merged under this file, e.g. engine/vllm_cpu: engine/vllm_cpu.yaml from the first "
+        "conf dir holding it ($BATCHRL_CONF_DIR, conf/ beside this file or beside its directory, ./conf), else the "
+        "one batchrl ships (batchrl/conf/).",
     )
     setup: dict[str, SetupStep] = Field(
         default_factory=dict,

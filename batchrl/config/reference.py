@@ -25,8 +25,8 @@ HEADER = """# Pipeline configuration reference
 
 Generated from the field descriptions in `batchrl/config/models.py` by
 `python -m batchrl.config.reference docs/CONFIG.md`: edit those, not this file. Unknown keys are errors.
-A pipeline file may merge `profiles:` from `conf/` underneath it, and `batchrl run/plan/validate --set a.b=c`
-overrides any field on top (`batchrl validate` prints the resolved config).
+A pipeline file may merge `profiles:` underneath it (where they are looked for: README, Configuration), and
+`batchrl run/plan/validate --set a.b=c` overrides any field on top (`batchrl validate` prints the resolved config).
 """
 
 _BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "at least"))

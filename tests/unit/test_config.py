@@ -9,6 +9,7 @@ import yaml
 from harness import REPO, cli, write_yaml
 
 from batchrl.config import ConfigError, load_pipeline
+from batchrl.config.loader import SHIPPED_CONF_DIR
 
 MINIMAL = {
     "name": "t",
@@ -145,8 +146,38 @@ def test_profiles_merge_under_the_pipeline_file(tmp_path):
 
 def test_unknown_profile_says_where_it_looked(tmp_path):
     raw = dict(MINIMAL, profiles=["engine/nope"])
-    with pytest.raises(ConfigError, match=r"profile 'engine/nope' not found"):
+    with pytest.raises(ConfigError, match=r"profile 'engine/nope' not found") as raised:
         load_pipeline(write(tmp_path, raw))
+    assert str(tmp_path / "conf" / "engine" / "nope.yaml") in str(raised.value)
+    assert str(SHIPPED_CONF_DIR / "engine" / "nope.yaml") in str(raised.value)
+    assert "batchrl ships cluster/local, " in str(raised.value) and "BATCHRL_CONF_DIR" in str(raised.value)
+
+
+def test_the_shipped_profiles_are_found_from_a_pipeline_and_a_directory_outside_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BATCHRL_CONF_DIR", raising=False)
+    raw = dict(MINIMAL, profiles=["engine/vllm_cpu", "trainer/cpu_gloo", "cluster/local"])
+    cfg = load_pipeline(write(tmp_path / "project", raw))
+    assert (cfg.generate.engine, cfg.generate.enforce_eager, cfg.update.backend) == ("vllm", True, "gloo")
+
+
+@pytest.mark.parametrize("where", ["BATCHRL_CONF_DIR", "beside the pipeline file", "in the working directory"])
+def test_a_users_own_profile_overrides_the_shipped_one(where, tmp_path, monkeypatch):
+    project, cwd = tmp_path / "project", tmp_path / "cwd"
+    own_conf = {
+        "BATCHRL_CONF_DIR": tmp_path / "my_conf",
+        "beside the pipeline file": project / "conf",
+        "in the working directory": cwd / "conf",
+    }[where]
+    write_yaml(own_conf / "engine" / "vllm_cpu.yaml", {"generate": {"engine": "hf"}})
+    cwd.mkdir(exist_ok=True)
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("BATCHRL_CONF_DIR", raising=False)
+    if where == "BATCHRL_CONF_DIR":
+        monkeypatch.setenv("BATCHRL_CONF_DIR", str(own_conf))
+    cfg = load_pipeline(write(project, dict(MINIMAL, profiles=["engine/vllm_cpu", "trainer/cpu_gloo"])))
+    assert cfg.generate.engine == "hf"  # the user's engine/vllm_cpu
+    assert cfg.update.backend == "gloo"  # the user has no trainer/cpu_gloo: the shipped one
 
 
 @pytest.mark.parametrize(
