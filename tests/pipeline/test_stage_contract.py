@@ -4,9 +4,13 @@ only, runs in a real pipeline, is planned, fingerprinted, resumed, reported and 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
+import ray
 from harness import merged, read_metrics, tiny_pipeline
 
 from batchrl.api import Runner, build_plan, check_from_stage
@@ -85,8 +89,18 @@ def test_a_registered_throwaway_stage_runs_every_iteration_and_resumes_like_a_bu
         "iter 0 sample_count",
     ]
 
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    children = _children()
     summary = Runner(cfg).run()
     assert [label for label in summary.ran if "sample_count" in label] == ["iter 0 sample_count", "iter 1 sample_count"]
+    # An in-process run leaves this process as it found it: the same signal handlers, no Ray, and no process of its
+    # own (update ranks, Ray's, the orphan watchdog, which exits a moment after the run) still running.
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 30
+    while _children() - children and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _children() - children, f"left running: {_children() - children}"
     assert SampleCount.closed == 1
     run_dir = Path(summary.run_dir)
     for iteration, metrics in enumerate(read_metrics(run_dir)):
@@ -102,6 +116,19 @@ def test_a_registered_throwaway_stage_runs_every_iteration_and_resumes_like_a_bu
     check_from_stage(cfg, "sample_count", 1)  # a stage of this run, per iteration
     forced = build_plan(cfg, from_stage="sample_count", from_iteration=0)
     assert [s.label for s in forced if s.status == "forced"] == ["iter 0 sample_count", "iter 1 sample_count"]
+
+
+def _children() -> set[tuple[int, str]]:
+    """(pid, command line) of this process's live children."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+            if int(fields[1]) == os.getpid() and fields[0] != b"Z":
+                found.add((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+    return found
 
 
 def test_an_actor_that_asks_for_more_than_the_embedded_ray_has_is_a_config_error_before_any_stage_runs(
