@@ -143,7 +143,8 @@ def _print_plan(cfg: PipelineConfig, steps) -> None:
 
     typer.echo(f"run {RunLayout.for_run(cfg.run.root, cfg.run_id).run_dir}")
     for step in steps:
-        typer.echo(f"  {step.label:<22} {step.status:<8} {ACTIONS[step.status]:<22} {_step_detail(step)}".rstrip())
+        action = "redo (code changed)" if step.status == "stale" and step.code_changed else ACTIONS[step.status]
+        typer.echo(f"  {step.label:<22} {step.status:<8} {action:<22} {_step_detail(step)}".rstrip())
     if cfg.run.epochs is not None and not any(step.iteration is not None for step in steps):
         typer.echo(f"  (run.epochs={cfg.run.epochs}: the iterations are listed once the prompts table is ingested)")
     if cfg.run.max_staleness:

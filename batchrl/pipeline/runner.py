@@ -2,8 +2,9 @@
 
 Fingerprints are computed from the config alone (each stage's config + its upstream fingerprints), so
 ``batchrl plan`` can say, without running anything, which stages are complete (a manifest with the same
-fingerprint), stale (a manifest from a different config: redone, and so is everything after it),
-partial (some shards written) or pending. More states come from storage and the command line:
+fingerprint), stale (a manifest from a different config, or from other user code when only the digests of a
+custom reward's or a user stage's module differ: redone, and so is everything after it), partial (some shards
+written) or pending. More states come from storage and the command line:
 
 - damaged: a manifest with the right fingerprint whose parts are missing or have another size (or, with
   ``--verify``, another sha256). Only the damaged parts are redone. The old manifest stays until the new one
@@ -50,6 +51,7 @@ from batchrl.pipeline.lineage import (
 from batchrl.pipeline.lock import RunLock
 from batchrl.pipeline.reaper import reaping_orphans
 from batchrl.pipeline.stage import (
+    CODE_KEYS,
     POLICY,
     STAGES,
     Stage,
@@ -93,6 +95,10 @@ class PlannedStage:
     sharded: bool = False  # output part k is made from input part k alone (resumes shard by shard)
     behaviour_policy: str | None = None  # the policy that generates this iteration's rollouts (see StageContext)
     status: str = "pending"  # done | damaged | stale | outdated | partial | pending | forced
+    # the fingerprint computed with the digests of user code left out (stage.CODE_KEYS), its own and its inputs':
+    # a stale step whose output records the same one was made by other code, not by another config
+    config_fingerprint: str = ""
+    code_changed: bool = False  # stale: only user code changed (a custom reward's or a user stage's module)
     manifest: Manifest | None = None  # the committed manifest (done, damaged)
     damaged: list[str] = field(default_factory=list)  # damaged: the parts to redo
     parts_written: int = 0  # partial: parts already under their final name
@@ -155,6 +161,7 @@ def build_plan(
     policy_dir, policy_fp = lineage.initial_policy, lineage.initial_policy_fingerprint
     policies = {0: (policy_dir, policy_fp)}  # policy version v (iteration v's input policy) -> (dir, fingerprint)
     plan: list[PlannedStage] = []
+    config_fps: dict[str, str] = {}  # a step's fingerprint -> its config_fingerprint
     for iteration in [None] + list(range(cfg.run.iterations)):
         behaviour = policies[cfg.run.behaviour_version(iteration)] if iteration is not None else (policy_dir, policy_fp)
         for name, stage in stages.items():
@@ -169,6 +176,7 @@ def build_plan(
             config = dict(stage.fingerprint_config(cfg), iteration=iteration)
             if stage.reads_train_files and lineage.skips_seen_files(cfg):
                 config["skip_seen_files"] = seen_fingerprint(lineage)
+            without_code = {key: value for key, value in config.items() if key not in CODE_KEYS}
             step = PlannedStage(
                 name=name,
                 iteration=iteration,
@@ -178,7 +186,9 @@ def build_plan(
                 policy_in=policy_in,
                 sharded=is_sharded(stage),
                 behaviour_policy=behaviour[0],
+                config_fingerprint=fingerprint(without_code, *(config_fps.get(fp, fp) for fp in upstream)),
             )
+            config_fps[step.fingerprint] = step.config_fingerprint
             table_dirs[stage.table], table_fps[stage.table] = step.output_dir, step.fingerprint
             plan.append(step)
         if iteration is not None and POLICY in table_dirs:
@@ -204,7 +214,7 @@ def _read_statuses(
     for step in plan:
         seen = known.get((step.output_dir, checksums))
         if seen is not None and seen.fingerprint == step.fingerprint:
-            for name in ("status", "manifest", "damaged", "parts_written", "started_at"):
+            for name in ("status", "manifest", "damaged", "parts_written", "started_at", "code_changed"):
                 setattr(step, name, getattr(seen, name))
         else:
             _set_status(step, checksums=checksums)
@@ -249,7 +259,7 @@ def _set_status(step: PlannedStage, *, checksums: bool) -> None:
     manifest = read_manifest(step.output_dir)
     if manifest is not None:
         if manifest.fingerprint != step.fingerprint:
-            step.status = "stale"
+            step.status, step.code_changed = "stale", manifest.config_fingerprint == step.config_fingerprint
             return
         step.manifest = manifest
         step.damaged = damaged_parts(step.output_dir, manifest, checksums=checksums)
@@ -258,7 +268,8 @@ def _set_status(step: PlannedStage, *, checksums: bool) -> None:
     names = _entries(step.output_dir)
     started = _read_started(step.output_dir)
     if started and started.get("fingerprint") != step.fingerprint:
-        step.status = "stale"  # partial output of another config: cleared when the stage runs
+        step.status = "stale"  # partial output of another config or code: cleared when the stage runs
+        step.code_changed = started.get("config_fingerprint") == step.config_fingerprint
         return
     step.parts_written = sum(not n.startswith((".", "_")) for n in names)
     step.started_at = started.get("started_at")
@@ -596,6 +607,7 @@ class Runner:
             sources=sources,
             inputs=self._input_digests(step, stage),
             trainer_state=output.trainer_state,
+            config_fingerprint=step.config_fingerprint,
         )
         self._invalidate_readers(step, manifest, previous=damaged)
         write_manifest(step.output_dir, manifest)
@@ -811,6 +823,7 @@ class Runner:
             json.dumps(
                 {
                     "fingerprint": step.fingerprint,
+                    "config_fingerprint": step.config_fingerprint,
                     "pid": os.getpid(),
                     "host": socket.gethostname(),
                     "started_at": time.time(),

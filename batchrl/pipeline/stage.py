@@ -61,6 +61,12 @@ class ActorNeed:
     gpus_field: str
 
 
+# The keys of a fingerprint_config that hold digests of user code (a custom reward's or a user stage's module): a
+# stage whose fingerprint changed there alone, its own or its inputs', is "stale (code changed)", not "config changed"
+# (PlannedStage.config_fingerprint).
+CODE_KEYS = frozenset({"code", "reward_code"})
+
+
 class Stage:
     """Base class of every stage: the declarations the runner plans with, and the hooks it calls, with defaults.
 
@@ -101,7 +107,8 @@ class Stage:
         return None
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        """The config that determines this stage's output (changing it invalidates the stage)."""
+        """The config that determines this stage's output (changing it invalidates the stage). Digests of user code
+        go under a key of CODE_KEYS, so that a change there alone is told apart ("code changed")."""
         raise NotImplementedError
 
     def check_inputs(self, cfg: PipelineConfig) -> None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import os
+import sysconfig
 import traceback
 from collections.abc import Callable
 from inspect import Parameter
@@ -174,7 +176,9 @@ class UserStageWorker(ShardWorker):
         try:
             out = self.function(table, **self.params)
         except Exception as error:  # the user's code: its failure is the stage's, named, not our traceback
-            raise DataError(f"stage {self.stage}: {self.call} raised {_described(error)}") from error
+            raise DataError(
+                f"stage {self.stage}: {self.call} raised {_described(error, code=self.function)}"
+            ) from error
         elapsed = time.perf_counter() - started
         out = checked_output(table, out, stage=self.stage, outputs=self.outputs, schema=self.input_schema)
         return out, {"rows": out.num_rows, "call_s": elapsed}
@@ -184,14 +188,46 @@ def _built(cls: type, params: dict[str, Any], *, stage: str, call: str) -> Any:
     try:
         return cls(**params)
     except Exception as error:  # the user's constructor
-        raise DataError(f"stage {stage}: building {call}(**params) raised {_described(error)}") from error
+        raise DataError(f"stage {stage}: building {call}(**params) raised {_described(error, code=cls)}") from error
 
 
-def _described(error: BaseException) -> str:
-    """The exception and the line of user code it came from (the last frame of its traceback)."""
+def _described(error: BaseException, *, code: Any) -> str:
+    """The exception and the line of user code it came from: the deepest frame of its traceback in the file of
+    ``code`` (the user's function or class) or in any file outside batchrl, the standard library and the installed
+    packages. Not simply the last frame: that is often a library's (``pyarrow/table.pxi:1740`` for a missing
+    column), which says nothing about which line of the user's to fix."""
     frames = traceback.extract_tb(error.__traceback__)
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    own = _source_file(code)
+    mine = [f for f in frames if f.filename == own or _outside_libraries(f.filename)]
+    frame = (mine or frames or [None])[-1]
+    where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
     return f"{type(error).__name__}: {error}{where}"
+
+
+def _source_file(code: Any) -> str | None:
+    """The file defining ``code``: a function, a class, or an instance's class."""
+    try:
+        return inspect.getfile(code if inspect.isfunction(code) or isinstance(code, type) else type(code))
+    except TypeError:  # built in, or defined interactively
+        return None
+
+
+# batchrl's own files, the standard library's and the installed packages': no frame there is the user's line
+_LIBRARIES = tuple(
+    os.path.join(os.path.realpath(path), "")
+    for path in {
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # the batchrl package
+        *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    }
+)
+
+
+def _outside_libraries(filename: str) -> bool:
+    """A file of the user's: a real path (not an extension's ``pyarrow/table.pxi``, not ``<frozen ...>``) outside
+    batchrl, the standard library and site-packages."""
+    if not os.path.isabs(filename) or "site-packages" in filename or "dist-packages" in filename:
+        return False
+    return not os.path.realpath(filename).startswith(_LIBRARIES)
 
 
 def check_stage_calls(cfg: PipelineConfig, *, source: str | None = None) -> None:

@@ -231,15 +231,40 @@ def read_chunk(chunk: Chunk, *, columns: list[str]) -> list[tuple[int, dict[str,
 
 
 def _jsonl_records(chunk: Chunk) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """(byte offset, record) of each non-blank line of the chunk; for a line that is no JSON object, (byte offset,
+    why), the why naming the line as an editor numbers it (``line 12 (byte 1043) is not valid JSON: ...``). The
+    lines of the file before the chunk are counted only when the chunk has such a line (a second read, up to its
+    start: the chunk alone cannot know them)."""
     fs, path = resolve(chunk.uri)
+    lines_before = 0 if chunk.first_row == 0 else None  # the file's lines before the chunk's first line
+    first_offset = chunk.first_row
     try:
         with fs.open(path, "rb") as raw:
             f = gzip.GzipFile(fileobj=raw) if chunk.uri.endswith(".gz") else raw
-            for offset, line in lines_starting_in(f, chunk.first_row, chunk.stop):
-                if line.strip():  # a blank line is no record (a file's last newline often leaves one)
-                    yield offset, _json_object(line)
+            for index, (offset, line) in enumerate(lines_starting_in(f, chunk.first_row, chunk.stop)):
+                first_offset = offset if index == 0 else first_offset
+                if not line.strip():  # a blank line is no record (a file's last newline often leaves one)
+                    continue
+                record = _json_object(line)
+                if isinstance(record, str):
+                    if lines_before is None:
+                        lines_before = _newlines_before(fs, path, first_offset)
+                    record = f"line {lines_before + index + 1} (byte {offset}) {record}"
+                yield offset, record
     except (OSError, EOFError) as err:
         raise DataError(f"{chunk.uri}: bytes {chunk.first_row}.. cannot be read ({_first_line(err)})") from None
+
+
+def _newlines_before(fs, path: str, stop: int, *, block: int = READ_BLOCK_BYTES) -> int:
+    """How many lines of an (uncompressed) file end before byte ``stop``."""
+    count = 0
+    with fs.open(path, "rb") as f:
+        while f.tell() < stop:
+            data = f.read(min(block, stop - f.tell()))
+            if not data:
+                break
+            count += data.count(b"\n")
+    return count
 
 
 def lines_starting_in(f, start: int, stop: int, *, block: int = READ_BLOCK_BYTES) -> Iterator[tuple[int, bytes]]:
@@ -280,13 +305,16 @@ _JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", int: "a num
 
 
 def _json_object(line: bytes) -> dict[str, Any] | str:
+    """The line's JSON object, or what is wrong with it ("is not valid JSON: ...", "holds an array, ...")."""
     try:
         value = json.loads(line)
-    except ValueError as err:
-        return f"line is not valid JSON ({err})"
+    except json.JSONDecodeError as err:  # its own line and column are the record's: line 1, always
+        return f"is not valid JSON: {err.msg} at column {err.colno}"
+    except ValueError as err:  # not UTF-8
+        return f"is not valid JSON ({err})"
     if not isinstance(value, dict):
         kind = "null" if value is None else _JSON_KINDS[type(value)]
-        return f"line holds {kind}, expected a JSON object with the prompt's fields"
+        return f"holds {kind}, expected a JSON object with the prompt's fields"
     return value
 
 
@@ -313,7 +341,9 @@ def _first_record_keys(uri: str, fs, path: str) -> tuple[str, ...]:
                 if line.strip():
                     record = _json_object(line)
                     if isinstance(record, str):
-                        raise DataError(f"data.train_files: {uri} is not a readable JSONL file: its first {record}")
+                        raise DataError(
+                            f"data.train_files: {uri} is not a readable JSONL file: its first line {record}"
+                        )
                     return tuple(record)
     except (OSError, EOFError) as err:
         raise DataError(f"data.train_files: {uri} is not a readable JSONL file ({_first_line(err)})") from None

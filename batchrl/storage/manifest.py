@@ -84,6 +84,8 @@ class Manifest:
     sources: list[dict] = field(default_factory=list)  # ingest: input files read, {uri, size, version}
     inputs: dict[str, str] | None = None  # content digest of each input by table name (None: not recorded)
     trainer_state: list[PartInfo] | None = None  # update: the optimizer state files (None: not recorded)
+    # the fingerprint without the digests of user code (PlannedStage.config_fingerprint; None: not recorded)
+    config_fingerprint: str | None = None
 
     @property
     def num_rows(self) -> int:

@@ -6,6 +6,7 @@ run with exit 3 naming the stage and the column. Tiny runs: HF engine, 8 prompts
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,7 @@ def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stag
     status = {line[2:24].strip(): line[24:].split()[0] for line in replan.splitlines()[1:]}
     assert status["iter 0 generate"] == "done" and status["iter 0 probe"] == "stale"
     assert status["iter 0 safety"] == "stale" and status["iter 0 update"] == "stale"
+    assert re.search(r"^  iter 0 probe +stale +redo \(code changed\)", replan, re.M), replan
 
 
 def test_a_run_killed_inside_a_user_stage_resumes_to_the_rows_and_weights_of_an_uninterrupted_one(

@@ -151,7 +151,8 @@ def test_jsonl_input_gives_the_prompts_parquet_input_gives_and_rejects_lines_tha
     assert [r["prompt_id"] for r in got] == ["p0", "p1", "p2", f"p-{offset}"]
     assert [r["source_row"] for r in got][-1] == offset
     (bad,) = rejects(ctx_jsonl, from_jsonl)
-    assert bad[:3] == ("p.jsonl", len("\n".join(lines[:2])) + 1, "bad_json") and bad[3].startswith("line is not valid")
+    assert bad[:3] == ("p.jsonl", len("\n".join(lines[:2])) + 1, "bad_json")
+    assert bad[3].startswith(f"line 3 (byte {bad[1]}) is not valid JSON: ")
 
 
 def corrupt_data_pages(path) -> bytes:

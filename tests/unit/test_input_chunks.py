@@ -81,10 +81,32 @@ def test_jsonl_chunks_are_byte_ranges_whose_rows_are_byte_offsets_and_bad_lines_
     records = [r for chunk in chunks for r in read_chunk(chunk, columns=[])]
     assert [offset for offset, _ in records] == [0, 38, 45, 82]
     assert records[0][1] == {"prompt": "a", "ground_truth": "1"}
-    assert records[1][1] == "line holds an array, expected a JSON object with the prompt's fields"
-    assert records[3][1].startswith("line is not valid JSON (")
+    assert records[1][1] == "line 3 (byte 38) holds an array, expected a JSON object with the prompt's fields"
+    assert records[3][1] == "line 5 (byte 82) is not valid JSON: Expecting value at column 1"
     # a JSONL chunk's row count is unknown when parts are named: one index each, then suffixes
     assert chunks[1].part_names(3) == ["part-00001.parquet", "part-00001-0001.parquet", "part-00001-0002.parquet"]
+
+
+@pytest.mark.parametrize("chunk_bytes", [16, 1 << 20])
+def test_a_bad_jsonl_line_is_named_by_its_line_number_in_the_file_whichever_chunk_reads_it(
+    tmp_path, monkeypatch, chunk_bytes
+):
+    monkeypatch.setattr(inputs_module, "JSONL_CHUNK_BYTES", chunk_bytes)
+    good = json.dumps({"prompt": "What is 1 + 1?", "ground_truth": "2"})
+    lines = [good] * 6 + ['{"prompt": "What is 2 + 2?" "ground_truth": "4"}', "", good, "[]"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    bad = [r for c in plan_chunks(describe_inputs([str(path)]), rows_per_chunk=1) for r in read_chunk(c, columns=[])]
+    bad = [why for _, why in bad if isinstance(why, str)]
+    seventh, tenth = (len("\n".join(lines[:k])) + 1 for k in (6, 9))  # the byte offsets of lines 7 and 10
+    assert bad == [
+        f"line 7 (byte {seventh}) is not valid JSON: Expecting ',' delimiter at column 29",
+        f"line 10 (byte {tenth}) holds an array, expected a JSON object with the prompt's fields",
+    ]
+    gzipped = tmp_path / "p.jsonl.gz"
+    gzipped.write_bytes(gzip.compress(path.read_bytes()))
+    (chunk,) = plan_chunks(describe_inputs([str(gzipped)]), rows_per_chunk=1)
+    assert [why for _, why in read_chunk(chunk, columns=[]) if isinstance(why, str)] == bad
 
 
 def test_a_gzipped_jsonl_file_is_one_chunk_with_offsets_in_the_decompressed_text(tmp_path):

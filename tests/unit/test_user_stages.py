@@ -11,7 +11,7 @@ from batchrl.api import Pipeline
 from batchrl.config import ConfigError, validate_dict
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import STAGES, source_table, stage_order, sync_stages
-from batchrl.stages.user import check_stage_calls, checked_output, register_function
+from batchrl.stages.user import UserStageWorker, check_stage_calls, checked_output, register_function
 from examples.prompt_shaping import shape_by_prompt_length
 from examples.safety_filter import SafetyFilter
 
@@ -218,3 +218,29 @@ def test_output_columns_of_the_input_are_cast_back_and_added_ones_kept():
 def test_an_output_that_breaks_the_contract_is_a_data_error_naming_stage_and_column(edit, outputs, message):
     with pytest.raises(DataError, match=message):
         checked_output(shard(), edit(shard()), stage="s", outputs=outputs, schema=SCHEMA)
+
+
+def reads_a_column_it_lacks(table: pa.Table) -> pa.Table:
+    return table.append_column("flag", table.column("no_such_column"))  # pyarrow raises inside table.pxi
+
+
+class CastsTextToNumbers:
+    def __init__(self):
+        self.fill = pa.array(["x"]).cast(pa.int32())  # pyarrow raises inside compute.py and error.pxi
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        return table
+
+
+def test_a_stage_that_raises_inside_a_library_is_located_at_the_users_line_not_the_librarys():
+    worker = UserStageWorker(
+        stage="s", call="m:f", params={}, outputs=["flag"], schema="scores", function=reads_a_column_it_lacks
+    )
+    with pytest.raises(DataError) as error:
+        worker.process(shard())
+    line = reads_a_column_it_lacks.__code__.co_firstlineno + 1
+    assert str(error.value).startswith("stage s: m:f raised KeyError: ")
+    assert str(error.value).endswith(f" at {__file__}:{line}")
+    with pytest.raises(DataError, match=rf"stage s: building m:C\(\*\*params\) raised .* at {__file__}:\d+$") as error:
+        UserStageWorker(stage="s", call="m:C", params={}, outputs=["x"], schema="scores", function=CastsTextToNumbers)
+    assert str(error.value).endswith(f":{CastsTextToNumbers.__init__.__code__.co_firstlineno + 1}")
