@@ -334,7 +334,7 @@ class AdvantageWorker(ShardWorker):
                 kl_token_mean_sum += float((kl_PG / np.maximum(groups.lengths_PG, 1.0)).sum())
         out = in_shard_order(pieces)
         counts = summarize_advantages(out) | {"groups_filtered": filtered, "logprobs_missing": missing_logprobs(out)}
-        counts |= policy_version_counts(out)
+        counts |= policy_version_counts(out) | score_counts(table)
         if self.reward_kl is not None:
             counts["reward_kl_token_mean_sum"] = kl_token_mean_sum
         return out, counts
@@ -345,10 +345,22 @@ class AdvantageWorker(ShardWorker):
         counts = (
             summarize_advantages(out) | gae_counts | {"groups_filtered": 0, "logprobs_missing": missing_logprobs(out)}
         )
-        counts |= policy_version_counts(out)
+        counts |= policy_version_counts(out) | score_counts(table)
         if shard.reward_kl_N is not None:
             counts["reward_kl_token_mean_sum"] = float((shard.reward_kl_N / np.maximum(shard.lengths_N, 1.0)).sum())
         return out, counts
+
+
+def score_counts(table: pa.Table) -> dict[str, float]:
+    """The scores this stage read (every sample of the shard, filtered groups included): what the training signal
+    was made from, which a user stage after score may have changed since the score stage's own statistics."""
+    scores_N = pc.list_flatten(table.column("scores")).to_numpy(zero_copy_only=False).astype(np.float64)
+    return {
+        "score_samples": float(len(scores_N)),
+        "score_sum": float(scores_N.sum()),
+        "score_max": float(scores_N.max(initial=-np.inf)),
+        "score_min": float(scores_N.min(initial=np.inf)),
+    }
 
 
 def policy_version_counts(table: pa.Table) -> dict[str, float]:
@@ -569,6 +581,14 @@ class AdvantageStage(Stage):
             if n
             else {}
         )
+        if counts.get("score_samples"):
+            # critic/score/* describe the scores advantage read (the last user stage after score's, if any), not
+            # the score stage's (score/raw/*): a shaping stage between them changes the signal trained on
+            stats |= {
+                "critic/score/mean": counts["score_sum"] / counts["score_samples"],
+                "critic/score/max": counts["score_max"],
+                "critic/score/min": counts["score_min"],
+            }
         if a.estimator == "gae":
             stats |= gae_stats(counts)
         if counts.get("version_samples"):  # versions behind policy(i-1), the policy the update trains (version i)
@@ -585,7 +605,9 @@ class AdvantageStage(Stage):
         return StageOutput(
             parts=parts,
             counts={
-                k: int(v) for k, v in counts.items() if not k.startswith(("advantage", "reward_kl", "gae_", "version_"))
+                k: int(v)
+                for k, v in counts.items()
+                if not k.startswith(("advantage", "reward_kl", "gae_", "version_", "score_"))
             },
             stats=stats,
         )

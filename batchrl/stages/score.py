@@ -4,7 +4,8 @@ Components of a sample: the ``score.rewards`` terms (rule rewards), or, when non
 of the row's data_source; plus the reward model's score (component "reward_model") when ``score.reward_model``
 is set (alone, if no terms are listed). Each component is kept: ``reward_names`` (per row) and ``reward_values``
 ([sample][component], unweighted, null where that component failed) and ``reward_weights``; ``scores`` is their
-weighted sum. Metrics: ``critic/rewards/<name>/mean`` per component, next to ``critic/score/*``.
+weighted sum. Metrics: ``critic/rewards/<name>/mean`` per component, next to ``score/raw/*`` (the scores this
+stage wrote; ``critic/score/*`` are advantage's, of the scores it read after any user stage).
 
 Fault isolation: a rule reward that raises, returns None/NaN, or overruns ``score.timeout_s`` (rule rewards run
 in a child process per actor that is killed on a timeout, see batchrl.rewards.isolation) fails that component;
@@ -367,7 +368,13 @@ class ScoreStage(Stage):
         return [] if cfg.score.reward_model is None else [reward_model_actor_need(cfg)]
 
     def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
-        return {**manifest.stats, "score/failed_samples": manifest.counts.get("failed_samples", 0)}
+        # critic/score/* is advantage's (the scores it trained on, after any user stage); the score stage's own are
+        # score/raw/*, the same numbers when no user stage changes the scores
+        stats = {
+            key.replace("critic/score/", "score/raw/", 1) if key.startswith("critic/score/") else key: value
+            for key, value in manifest.stats.items()
+        }
+        return {**stats, "score/failed_samples": manifest.counts.get("failed_samples", 0)}
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         code = reward_code(cfg.score)  # editing a custom reward's module re-scores

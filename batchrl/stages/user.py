@@ -33,7 +33,9 @@ from collections.abc import Callable
 from inspect import Parameter
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import UserStageConfig
@@ -113,6 +115,8 @@ class UserStage(Stage):
         ]
 
     def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
+        """stage/<name>/rows, stage/<name>/call_s, and the stage's effect on each numeric column of its input that it
+        declares in outputs: stage/<name>/<column>/{mean_before,mean_after,changed} (`column_effects`)."""
         return {f"stage/{self.name}/{key}": value for key, value in manifest.stats.items()}
 
     def run(self, ctx: StageContext) -> StageOutput:
@@ -139,10 +143,11 @@ class UserStage(Stage):
             embedded_ray=ctx.embedded_ray,
         )
         seconds = counts.pop("call_s", 0.0)
+        effects = {key: counts.pop(key) for key in list(counts) if key.startswith(EFFECT)}
         return StageOutput(
             parts=parts,
             counts={key: int(value) for key, value in counts.items()},
-            stats={"call_s": round(seconds, 3), "rows": int(counts.get("rows", 0))},
+            stats={"call_s": round(seconds, 3), "rows": int(counts.get("rows", 0)), **effect_stats(effects)},
         )
 
 
@@ -181,7 +186,53 @@ class UserStageWorker(ShardWorker):
             ) from error
         elapsed = time.perf_counter() - started
         out = checked_output(table, out, stage=self.stage, outputs=self.outputs, schema=self.input_schema)
-        return out, {"rows": out.num_rows, "call_s": elapsed}
+        effects = column_effects(table, out, columns=[name for name in self.outputs if name in table.column_names])
+        return out, {"rows": out.num_rows, "call_s": elapsed, **effects}
+
+
+EFFECT = "effect/"  # the worker's counts of a stage's effect on a column: effect/<column>/<counter>
+
+
+def _numbers(column: pa.ChunkedArray) -> np.ndarray | None:
+    """A numeric column's values, lists flattened (a group's scores), as float64 with NaN for nulls; None for a
+    column that holds no numbers."""
+    while pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        column = pc.list_flatten(column)
+    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+        return None
+    return column.cast(pa.float64()).to_numpy(zero_copy_only=False)
+
+
+def column_effects(before: pa.Table, after: pa.Table, *, columns: list[str]) -> dict[str, float]:
+    """One shard's counters of what a stage did to each numeric input column it changes (its declared outputs that
+    it was given: a clip or a bonus on ``scores``, a filter zeroing ``advantage``): the sums and counts of its
+    values before and after, and how many values changed. Summed over shards by the runner, see `effect_stats`."""
+    counts: dict[str, float] = {}
+    for name in columns:
+        before_N, after_N = _numbers(before.column(name)), _numbers(after.column(name))
+        if before_N is None or after_N is None:
+            continue
+        counts[f"{EFFECT}{name}/sum_before"] = float(np.nansum(before_N))
+        counts[f"{EFFECT}{name}/count_before"] = float((~np.isnan(before_N)).sum())
+        counts[f"{EFFECT}{name}/sum_after"] = float(np.nansum(after_N))
+        counts[f"{EFFECT}{name}/count_after"] = float((~np.isnan(after_N)).sum())
+        if len(before_N) == len(after_N):  # lists of another length: no value-by-value comparison
+            same_N = (before_N == after_N) | (np.isnan(before_N) & np.isnan(after_N))
+            counts[f"{EFFECT}{name}/changed"] = float((~same_N).sum())
+    return counts
+
+
+def effect_stats(counts: dict[str, float]) -> dict[str, float]:
+    """<column>/mean_before, <column>/mean_after and <column>/changed (values) from the summed `column_effects`."""
+    stats: dict[str, float] = {}
+    for name in sorted({key[len(EFFECT) :].rpartition("/")[0] for key in counts}):
+        for side in ("before", "after"):
+            total, count = counts.get(f"{EFFECT}{name}/sum_{side}"), counts.get(f"{EFFECT}{name}/count_{side}")
+            if count:
+                stats[f"{name}/mean_{side}"] = total / count
+        if f"{EFFECT}{name}/changed" in counts:
+            stats[f"{name}/changed"] = int(counts[f"{EFFECT}{name}/changed"])
+    return stats
 
 
 def _built(cls: type, params: dict[str, Any], *, stage: str, call: str) -> Any:

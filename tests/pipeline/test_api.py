@@ -1,6 +1,7 @@
 """The Python API (batchrl.api.Pipeline), as README shows it: change a pipeline, insert a function stage after
-score, run it in this process, read the tables; a second run resumes to nothing to do. One shard per table, so
-every stage runs in this process (a function defined here needs no import path)."""
+score, run it in this process, read the tables; a second run resumes to nothing to do; the score metrics report
+the scores advantage trained on, after the inserted stage. One shard per table, so every stage runs in this process
+(a function defined here needs no import path)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from harness import merged, tiny_pipeline
 
 from batchrl.api import Pipeline
 from batchrl.config import ConfigError
+from batchrl.tracking.summary import format_summary
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +47,22 @@ def test_a_function_stage_inserted_from_python_runs_and_its_tables_read_as_arrow
 
     again = pipeline.run()
     assert again.summary.ran == [] and "iter 1 bonus" in again.summary.skipped
+
+
+def test_the_score_metrics_report_the_scores_advantage_read_after_a_shaping_stage_and_each_stages_effect(
+    tmp_path, toy_model_dir, toy_prompts_dir
+):
+    raw = merged(
+        tiny_pipeline(model=toy_model_dir, prompts=toy_prompts_dir, root=str(tmp_path)),
+        {"name": "shaped", "data.max_prompts": 4, "score.rewards": [{"reward": "gsm8k"}], "tracking.progress_bars": 0},
+    )
+    pipeline = Pipeline.from_dict(raw).set("generate.max_new_tokens=4")
+    run = pipeline.insert_after("score", sample_bonus, name="bonus", outputs=["scores"], params={"bonus": 0.25}).run()
+
+    metrics = run.metrics()[0]  # gsm8k scores 0 (the toy model never answers right); the bonus adds 0.25 x sample_idx
+    assert metrics["score/raw/mean"] == 0.0 and metrics["score/raw/max"] == 0.0
+    assert metrics["critic/score/mean"] == pytest.approx(0.125) and metrics["critic/score/max"] == 0.25
+    assert metrics["stage/bonus/scores/mean_before"] == 0.0
+    assert metrics["stage/bonus/scores/mean_after"] == pytest.approx(0.125)
+    assert metrics["stage/bonus/scores/changed"] == 4  # the second sample of each of the 4 groups
+    assert format_summary(run.metrics()).splitlines()[1].split()[:2] == ["0", "0.125"]  # iter, score
