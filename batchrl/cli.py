@@ -147,6 +147,7 @@ def _print_plan(cfg: PipelineConfig, steps) -> None:
         typer.echo(f"  {step.label:<22} {step.status:<8} {action:<22} {_step_detail(step)}".rstrip())
     if cfg.run.epochs is not None and not any(step.iteration is not None for step in steps):
         typer.echo(f"  (run.epochs={cfg.run.epochs}: the iterations are listed once the prompts table is ingested)")
+    _print_batches(cfg, steps)
     if cfg.run.max_staleness:
         in_flight = sorted(  # started (a _STARTED.json), not committed
             {
@@ -161,6 +162,33 @@ def _print_plan(cfg: PipelineConfig, steps) -> None:
             + (f"; in flight when interrupted: iterations {', '.join(map(str, in_flight))}" if in_flight else "")
             + ")"
         )
+
+
+PLANNED_BATCHES_LISTED = 10  # a run of 15 epochs over 1M prompts has thousands of iterations: the next ones
+
+
+def _print_batches(cfg: PipelineConfig, steps) -> None:
+    """With data.prompts_per_iteration, the parts and rows that the iterations still to run (all of them, when every
+    one is done) roll out, the first PLANNED_BATCHES_LISTED, once the prompts table is committed (its manifest is what
+    decides them)."""
+    from batchrl.algorithms.batches import described
+    from batchrl.stages.generate import prompt_batch
+
+    prompts = next((s.manifest for s in steps if s.manifest is not None and s.manifest.schema == "prompts"), None)
+    iterations = sorted({step.iteration for step in steps if step.iteration is not None})
+    if not cfg.data.prompts_per_iteration or prompts is None or not iterations:
+        return
+    to_run = sorted({s.iteration for s in steps if s.iteration is not None and s.status != "done"}) or iterations
+    typer.echo(
+        f"  prompt batches (data.prompts_per_iteration={cfg.data.prompts_per_iteration}; the parts reshuffled every "
+        "epoch, and the rows inside each part):"
+    )
+    for iteration in to_run[:PLANNED_BATCHES_LISTED]:
+        batch = prompt_batch(cfg, iteration, prompts)
+        where = f"epoch {batch.epoch}, batch {batch.index_in_epoch + 1} of {batch.batches_per_epoch}"
+        typer.echo(f"    iter {iteration} ({where}): {described(batch)}")
+    if len(to_run) > PLANNED_BATCHES_LISTED:
+        typer.echo(f"    ... and {len(to_run) - PLANNED_BATCHES_LISTED} more iteration(s)")
 
 
 def _step_detail(step) -> str:

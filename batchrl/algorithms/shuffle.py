@@ -1,5 +1,5 @@
-"""Seeded shuffles that no library upgrade can change: the order of the prompts table's parts in an epoch
-(`batches`) and of the prompt groups in an update's mini-batches (`batchrl.trainer.batching`).
+"""Seeded shuffles that no library upgrade can change: the order of the prompts table's parts and of each part's
+rows in an epoch (`batches`) and of the prompt groups in an update's mini-batches (`batchrl.trainer.batching`).
 
 Why not ``np.random.default_rng((seed, epoch)).permutation(n)`` (what both used before): numpy promises that a
 seeded Generator's stream is reproducible within a version, not across versions (NEP 19), so an upgrade could
@@ -17,10 +17,13 @@ import hashlib
 DIGEST_BYTES = 8  # 2^64 keys: a tie (broken by index) is as rare as it is harmless
 
 
-def keyed_order(num_items: int, *, seed: int, epoch: int) -> list[int]:
+def keyed_order(num_items: int, *, seed: int, epoch: int, stream: str = "") -> list[int]:
     """0 .. num_items - 1 ordered by a keyed hash of (seed, epoch, index): a permutation that depends on nothing
-    else, the same in every environment, and another one for another seed or epoch."""
-    prefix = hashlib.blake2b(f"{int(seed)}/{int(epoch)}/".encode(), digest_size=DIGEST_BYTES)
+    else, the same in every environment, and another one for another seed or epoch. ``stream`` names one of
+    several independent orders of the same (seed, epoch) (the rows of each prompts part): the digest is then of
+    ``"{seed}/{epoch}/{stream}/{i}"``; without it, the orders computed before it existed."""
+    key = f"{int(seed)}/{int(epoch)}/" + (f"{stream}/" if stream else "")
+    prefix = hashlib.blake2b(key.encode(), digest_size=DIGEST_BYTES)
 
     def key(index: int) -> tuple[bytes, int]:
         digest = prefix.copy()

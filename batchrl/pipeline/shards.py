@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from batchrl.errors import DataError
@@ -93,13 +94,12 @@ class ShardWorker:
             "error": [],
         }
         expected = batch.get("input_sha256", [None] * len(batch["name"]))
-        starts = batch.get("row_start", [None] * len(batch["name"]))
-        stops = batch.get("row_stop", [None] * len(batch["name"]))
-        for input_uri, output_uri, name, sha256, start, stop in zip(
-            batch["input_uri"], batch["output_uri"], batch["name"], expected, starts, stops
+        row_ids = batch.get("row_ids", [None] * len(batch["name"]))
+        for input_uri, output_uri, name, sha256, ids in zip(
+            batch["input_uri"], batch["output_uri"], batch["name"], expected, row_ids
         ):
             try:
-                rows, digest, num_bytes, counts = self._one(str(input_uri), str(output_uri), sha256, start, stop)
+                rows, digest, num_bytes, counts = self._one(str(input_uri), str(output_uri), sha256, ids)
                 error = ""
             except DataError as data_error:
                 rows, digest, num_bytes, counts, error = 0, "", 0, {}, f"{data_error} (part {name})"
@@ -112,11 +112,11 @@ class ShardWorker:
         return results
 
     def _one(
-        self, input_uri: str, output_uri: str, sha256: str | None, start: Any, stop: Any
+        self, input_uri: str, output_uri: str, sha256: str | None, row_ids: Any
     ) -> tuple[int, str, int, dict[str, float]]:
         table = read_verified_parquet(input_uri, sha256=sha256)
-        if start is not None:  # a slice of the input part (generate's per-iteration prompt batch)
-            table = table.slice(int(start), int(stop) - int(start))
+        if row_ids is not None:  # some rows of the input part (generate's per-iteration prompt batch), ascending
+            table = table.take(pa.array(np.asarray(row_ids, dtype=np.int64).ravel()))
         table, counts = self.process(table)
         table = conform(table, self.schema) if self.schema else table  # a user stage conforms its own
         num_bytes, digest = write_parquet_atomic(table, output_uri, row_group_rows=self.row_group_rows)
@@ -176,12 +176,12 @@ def shard_jobs(*, input_dir: str, input_manifest: Manifest, output_dir: str) -> 
 
 def job_input(job: dict[str, Any]) -> dict[str, Any]:
     """What a job is made from, as its journal record keeps it: the input part's name (not its URI: a run copied
-    elsewhere keeps its records), its sha256 and, for a slice, its row range."""
-    start, stop = job.get("row_start"), job.get("row_stop")
+    elsewhere keeps its records), its sha256 and, for some of its rows, their indices."""
+    row_ids = job.get("row_ids")
     return {
         "part": job["input_uri"].rstrip("/").rsplit("/", 1)[-1],
         "sha256": job.get("input_sha256"),
-        "rows": None if start is None else [int(start), int(stop)],
+        "rows": None if row_ids is None else [int(row) for row in row_ids],
     }
 
 

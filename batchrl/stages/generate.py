@@ -335,11 +335,14 @@ class GenerateStage(Stage):
             "shard_timeout_s",
             "engine_lifetime",
         }
+        # batch_rows: batches take rows shuffled inside each part (batches.row_order), not contiguous slices as
+        # before; the key redoes the iterations of a batched run made before, whose batches held other prompts
+        batches = {"prompts_per_iteration": cfg.data.prompts_per_iteration, "batch_rows": "row_order"}
         return {
             "generate": cfg.generate.model_dump(exclude=placement, exclude_defaults=True),
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
-        } | ({"prompts_per_iteration": cfg.data.prompts_per_iteration} if cfg.data.prompts_per_iteration else {})
+        } | (batches if cfg.data.prompts_per_iteration else {})
 
     def iteration_count(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> int | None:
         prompts = tables.get("prompts")
@@ -361,7 +364,7 @@ class GenerateStage(Stage):
                 "name": name,
                 "input_sha256": sha256[piece.part],
             }
-            | ({} if batch.whole_parts else {"row_start": piece.start, "row_stop": piece.stop})
+            | ({} if batch.whole_parts else {"row_ids": piece.row_indices()})
             for name, piece in batch_parts(batch)
         ]
         parts, counts, jobs = pending_shards(all_jobs, output_dir=ctx.output_dir)

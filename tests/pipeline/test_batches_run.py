@@ -55,7 +55,7 @@ def expected_ids(run: Path, iteration: int) -> list[str]:
     ids = []
     for piece in batch.slices:
         column = pq.read_table(run / "prompts" / piece.part, columns=["prompt_id"]).column("prompt_id").to_pylist()
-        ids += column[piece.start : piece.stop]
+        ids += [column[row] for row in piece.row_indices()]
     return ids
 
 
@@ -72,6 +72,22 @@ def test_each_iteration_rolls_out_its_batch_and_reports_where_it_is_in_the_epoch
     assert [m["data/batch_in_epoch"] for m in metrics] == [0, 1, 0, 1]
     assert [m["data/prompts_consumed"] for m in metrics] == [3, 6, 9, 12]
     assert all(m["perf/num_samples"] == BATCH * 2 for m in metrics)
+
+
+def test_plan_says_which_parts_and_rows_each_iteration_takes_and_epochs_take_other_rows(reference):
+    path, run = reference
+    plan = cli_ok("plan", path, "--run-id", "reference").stdout
+    lines = re.findall(r"^    iter (\d+) \(epoch (\d+), batch (\d+) of 2\): (.*)$", plan, re.M)
+    assert [(int(i), int(e), int(b)) for i, e, b, _ in lines] == [(0, 0, 1), (1, 0, 2), (2, 1, 1), (3, 1, 2)], plan
+    parts = [(p["name"], p["rows"]) for p in read_manifest(run / "prompts")["parts"]]
+    for iteration, *_, where in lines:
+        batch = iteration_batch(parts, seed=SEED, iteration=int(iteration), batch_size=BATCH)
+        assert where == "; ".join(
+            f"{s.part}: {s.rows} rows {' '.join(map(str, s.row_indices()))}" for s in batch.slices
+        )
+    epochs = [set(rollout_ids(run, 0) + rollout_ids(run, 1)), set(rollout_ids(run, 2) + rollout_ids(run, 3))]
+    assert [rollout_ids(run, 0), rollout_ids(run, 1)] != [rollout_ids(run, 2), rollout_ids(run, 3)]
+    assert len(epochs[0]) == len(epochs[1]) == 2 * BATCH
 
 
 def test_a_new_batch_size_keeps_the_ingested_prompts_and_redoes_the_iterations(reference):

@@ -178,7 +178,7 @@ def test_a_slice_job_is_kept_only_for_the_same_rows(tmp_path):
     manifest = input_table(tmp_path, 1)
     run(tmp_path, manifest)
     (job,) = shard_jobs(input_dir=str(tmp_path / "in"), input_manifest=manifest, output_dir=str(tmp_path / "out"))
-    sliced = job | {"row_start": 0, "row_stop": 1}
+    sliced = job | {"row_ids": [1]}
     assert pending_shards([sliced], output_dir=str(tmp_path / "out"))[2] == [sliced]
 
 
