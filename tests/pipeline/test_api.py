@@ -1,13 +1,19 @@
 """The Python API (batchrl.api.Pipeline), as README shows it: change a pipeline, insert a function stage after
 score, run it in this process, read the tables; a second run resumes to nothing to do; the score metrics report
 the scores advantage trained on, after the inserted stage. One shard per table, so every stage runs in this process
-(a function defined here needs no import path)."""
+(a function defined here needs no import path). A run through the API in a fresh process logs as `batchrl run`
+does: batchrl's progress on stderr, not Ray's or the engines' chatter."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+
 import pyarrow as pa
 import pytest
-from harness import merged, tiny_pipeline
+from harness import environment, merged, tiny_pipeline
 
 from batchrl.api import Pipeline
 from batchrl.config import ConfigError
@@ -66,3 +72,37 @@ def test_the_score_metrics_report_the_scores_advantage_read_after_a_shaping_stag
     assert metrics["stage/bonus/scores/mean_after"] == pytest.approx(0.125)
     assert metrics["stage/bonus/scores/changed"] == 4  # the second sample of each of the 4 groups
     assert format_summary(run.metrics()).splitlines()[1].split()[:2] == ["0", "0.125"]  # iter, score
+
+
+API_SCRIPT = """
+import json, sys
+from batchrl.api import Pipeline
+
+Pipeline.from_dict(json.loads(sys.argv[1])).run()
+"""
+
+
+def test_a_run_from_python_logs_batchrls_progress_and_not_ray_or_engine_chatter(
+    tmp_path, toy_model_dir, toy_prompts_dir
+):
+    raw = merged(
+        tiny_pipeline(model=toy_model_dir, prompts=toy_prompts_dir, root=str(tmp_path)),
+        {"name": "logs", "tracking.progress_bars": False},
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", API_SCRIPT, json.dumps(raw)],
+        cwd=tmp_path,
+        env=environment({"VLLM_LOGGING_LEVEL": None, "TORCH_CPP_LOG_LEVEL": None}),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    stderr = result.stderr
+    assert re.search(r"^\S+ INFO batchrl\.pipeline\.runner: iter 0 generate: done in", stderr, re.M), stderr[-3000:]
+    assert re.search(r"^\S+ INFO batchrl\.pipeline\.runner: iter 0 update: done in", stderr, re.M), stderr[-3000:]
+    output = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout + stderr)  # Ray colours the prefix of a worker's line
+    assert "Token authentication" not in output, output[-3000:]
+    assert "streaming_executor" not in output, output[-3000:]  # Ray Data's INFO lines
+    worker_lines = [line for line in output.splitlines() if re.search(r"\(\w+ pid=\d+\)", line)]  # Ray's forwarding
+    assert worker_lines == [], "\n".join(worker_lines[:20])
