@@ -369,12 +369,12 @@ class ScoreStage(Stage):
 
     def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
         # critic/score/* is advantage's (the scores it trained on, after any user stage); the score stage's own are
-        # score/raw/*, the same numbers when no user stage changes the scores
-        stats = {
-            key.replace("critic/score/", "score/raw/", 1) if key.startswith("critic/score/") else key: value
-            for key, value in manifest.stats.items()
-        }
-        return {**stats, "score/failed_samples": manifest.counts.get("failed_samples", 0)}
+        # score/raw/*, the same numbers when no user stage changes the scores. Its critic/score/* stay as well, for
+        # the iterations whose advantage manifest predates advantage's own (a resumed run rewrites metrics.jsonl
+        # from the manifests): advantage runs after score, so its metrics replace these where it has them.
+        stats = manifest.stats
+        raw = {f"score/raw/{key.rpartition('/')[2]}": v for key, v in stats.items() if key.startswith("critic/score/")}
+        return {**stats, **raw, "score/failed_samples": manifest.counts.get("failed_samples", 0)}
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         code = reward_code(cfg.score)  # editing a custom reward's module re-scores

@@ -484,3 +484,49 @@ def test_a_group_without_samples_or_passk_over_a_smaller_group_is_a_data_error_n
     )
     with pytest.raises(DataError, match="prompt 'b' has no samples"):
         advantage_worker(estimator="grpo").process(empty)
+
+
+def metrics_of(stats_by_stage: dict[str, dict[str, float]]) -> dict:
+    """iteration_metrics over committed score and advantage manifests holding these stats."""
+    from batchrl.pipeline.runner import PlannedStage, iteration_metrics
+    from batchrl.stages.advantage import AdvantageStage
+    from batchrl.stages.score import ScoreStage
+    from batchrl.storage.manifest import Manifest
+
+    stages = {"score": ScoreStage(), "advantage": AdvantageStage()}
+    plan = {}
+    for name, stats in stats_by_stage.items():
+        fields = {"stage": name, "table": name, "iteration": 0, "fingerprint": "f", "parts": [], "schema": name}
+        manifest = Manifest(**fields, started_at=0.0, finished_at=1.0, counts={}, stats=stats)
+        plan[(name, 0)] = PlannedStage(name, 0, f"/r/{name}", "f", {}, "", status="done", manifest=manifest)
+    return iteration_metrics(plan, stages, 0)
+
+
+def test_critic_score_is_what_advantage_read_and_the_score_stages_own_is_score_raw():
+    metrics = metrics_of(
+        {
+            "score": {"critic/score/mean": 0.172, "critic/score/max": 1.0, "critic/score/min": 0.0},
+            "advantage": {"critic/score/mean": 0.272, "critic/score/max": 1.1, "critic/score/min": 0.1},
+        }
+    )
+    assert (metrics["critic/score/mean"], metrics["critic/score/max"], metrics["critic/score/min"]) == (0.272, 1.1, 0.1)
+    assert (metrics["score/raw/mean"], metrics["score/raw/max"], metrics["score/raw/min"]) == (0.172, 1.0, 0.0)
+    # an advantage manifest from before advantage counted the scores: the score stage's numbers, as they were
+    older = metrics_of({"score": {"critic/score/mean": 0.172}, "advantage": {"critic/advantages/mean": 0.0}})
+    assert older["critic/score/mean"] == older["score/raw/mean"] == 0.172
+
+
+def test_advantage_counts_every_score_it_read_the_groups_that_filtering_drops_included():
+    from batchrl.stages.advantage import score_counts
+
+    counts = score_counts(pa.table({"scores": [[1.0, 1.0], [0.0, 0.5]]}))  # the first group is all equal
+    assert counts == {"score_samples": 4.0, "score_sum": 2.5, "score_max": 1.0, "score_min": 0.0}
+
+
+def test_a_user_stage_reports_its_effect_on_each_numeric_column_it_changes():
+    from batchrl.stages.user import column_effects, effect_stats
+
+    before = pa.table({"scores": [[0.0, 1.0], [0.5, 2.0]], "note": ["x", "y"]})
+    after = before.set_column(0, "scores", pa.array([[0.0, 1.0], [0.5, 1.0]]))  # a clip at 1.0
+    counts = column_effects(before, after, columns=["scores", "note"])  # "note" holds no numbers
+    assert effect_stats(counts) == {"scores/mean_before": 0.875, "scores/mean_after": 0.625, "scores/changed": 1}
