@@ -133,8 +133,12 @@ def write_parquet_atomic(table: pa.Table, uri: str, *, row_group_rows: int | Non
 # the main thread is in Py_FinalizeEx). Upstream: apache/arrow#50482 (the same race; Python >= 3.13 hangs
 # instead of aborting) and apache/arrow#34314. So: local files are read by path (Arrow owns every buffer), a
 # remote file read whole is copied into Arrow-owned memory first, and a remote file read in place (row groups,
-# `open_parquet`) is decoded on the calling thread only. tests/unit/test_parquet_reads.py checks that no buffer
-# of a Python object is released on another thread.
+# `open_parquet`) is read and decoded on the calling thread only: use_threads=False keeps the decoding there, and
+# pre_buffer=False (pyarrow's ParquetFile defaults to True) keeps the reads there too, since pre-buffering fetches
+# column chunks with RandomAccessFile::ReadAsync, which runs the Python read on Arrow's IO pool, and the future
+# holding that buffer can be destroyed on the pool thread after the read returned (the same race, one pool over;
+# a core dump shows ~PyBuffer <- ~ConcreteFutureImpl <- ReadAsync task on a ThreadPool worker).
+# tests/unit/test_parquet_reads.py checks that no buffer of a Python object is released on another thread.
 
 
 def read_parquet(uri: str, *, columns: list[str] | None = None) -> pa.Table:
@@ -157,7 +161,10 @@ def parquet_from_bytes(data: bytes, *, columns: list[str] | None = None) -> pa.T
 
 
 class _CallingThreadParquetFile(pq.ParquetFile):
-    """A ParquetFile over a Python file object whose reads decode on the calling thread (see above)."""
+    """A ParquetFile over a Python file object that reads and decodes on the calling thread only (see above)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(source, **(kwargs | {"pre_buffer": False}))
 
     def read(self, *args, **kwargs):
         return super().read(*args, **(kwargs | {"use_threads": False}))
