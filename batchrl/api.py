@@ -26,7 +26,9 @@ from typing import Any
 import batchrl.stages  # noqa: F401  (registers the built-in stages, in run order)
 from batchrl.config import ConfigError, PipelineConfig, load_pipeline, validate_dict
 from batchrl.config.loader import apply_override
-from batchrl.pipeline.runner import PlannedStage, Runner, RunSummary, build_plan, check_from_stage
+from batchrl.pipeline.plan import PlannedStage, build_plan, check_from_stage
+from batchrl.pipeline.runner import Runner
+from batchrl.pipeline.summary import RunSummary
 from batchrl.stages.user import check_stage_calls, register_function
 
 __all__ = [

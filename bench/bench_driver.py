@@ -36,7 +36,7 @@ from harness import REPO, cli_ok, environment, free_port, write_pipeline
 from batchrl.api import PlannedStage, build_plan
 from batchrl.config import load_pipeline
 from batchrl.pipeline.lineage import fresh_lineage
-from batchrl.pipeline.runner import current_input_digest
+from batchrl.pipeline.plan import current_input_digest
 from batchrl.pipeline.shards import job_input
 from batchrl.pipeline.stage import STAGES
 from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
@@ -175,7 +175,7 @@ def partial_s3_run(tmp: Path, bucket: str, *, num_parts: int) -> Path:
     """A run on S3 whose ingest, generate and score are committed with ``num_parts`` parts each, and whose
     advantage stage was interrupted with half its shards done and recorded in its journal, as a run killed
     mid-stage leaves it (segments of FLUSH_RECORDS records)."""
-    from batchrl.pipeline.runner import STARTED_MARKER
+    from batchrl.pipeline.plan import STARTED_MARKER
     from batchrl.storage import join, resolve, write_bytes_atomic
     from batchrl.storage.journal import FLUSH_RECORDS, Journal, record
 

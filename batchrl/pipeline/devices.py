@@ -3,8 +3,9 @@
 With run.max_staleness > 0 the update trains while the engines generate. On a Ray cluster the update's ranks are a
 placement group of their own (update.launcher: ray). On one host the local NCCL ranks would take GPUs 0..N-1
 whatever Ray gave the engines, so the runner splits the visible GPUs: the last update.num_processes go to the
-ranks (`UpdateSpec.cuda_devices`, their CUDA_VISIBLE_DEVICES), the others to the embedded Ray, which the runner
-starts with only those visible (Ray hands its actors GPU ids from the CUDA_VISIBLE_DEVICES it starts with).
+ranks (`StageContext.rank_devices`, then `UpdateSpec.cuda_devices`, their CUDA_VISIBLE_DEVICES), the others to the
+embedded Ray, which the run's session starts with only those visible (Ray hands its actors GPU ids from the
+CUDA_VISIBLE_DEVICES it starts with).
 Unverified on a GPU so far: the split is tested as a function and as the environments it produces.
 """
 
@@ -12,10 +13,15 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 from batchrl.config import ConfigError, PipelineConfig
 
-RANK_DEVICES_ENV = "BATCHRL_UPDATE_CUDA_DEVICES"  # set by the runner for the update stage: the ranks' GPUs
+
+@dataclass(frozen=True)
+class DeviceSplit:
+    engines: list[str]  # the GPU ids the embedded Ray hands its actors
+    ranks: list[str]  # the GPU ids of the update's local ranks
 
 
 def visible_gpus() -> list[str]:
@@ -56,3 +62,15 @@ def overlap_gpu_split(cfg: PipelineConfig, visible: list[str]) -> tuple[list[str
             "with update.launcher: ray"
         )
     return visible[:-ranks], visible[-ranks:]
+
+
+def device_split(cfg: PipelineConfig, *, cluster: bool) -> DeviceSplit | None:
+    """The split of this host's visible GPUs when the engines and local update ranks would run at once on them
+    (None: they do not); a ConfigError naming the fields when the host cannot hold both. ``cluster``: the run joins a
+    Ray cluster, where update.launcher auto puts the ranks on Ray, not on this host."""
+    u = cfg.update
+    local_ranks = u.launcher == "local" or (u.launcher == "auto" and not cluster)
+    if not needs_split(cfg, local_launcher=local_ranks):
+        return None
+    engines, ranks = overlap_gpu_split(cfg, visible_gpus())
+    return DeviceSplit(engines=engines, ranks=ranks)

@@ -40,6 +40,9 @@ class StageContext:
     # the policy that generated this iteration's rollouts: policy_in in strict order; with run.max_staleness k,
     # iteration i-1-k's (`RunConfig.behaviour_version`). A stage that reads_behaviour_policy has it as policy_in.
     behaviour_policy: str | None = None
+    # the GPUs the update's local ranks take when the session split one GPU host between them and the engines
+    # (run.max_staleness; `batchrl.pipeline.session`); None: the environment's
+    rank_devices: str | None = None
 
 
 @dataclass

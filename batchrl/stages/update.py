@@ -45,7 +45,6 @@ from typing import Any
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import UpdateConfig
 from batchrl.errors import DataError
-from batchrl.pipeline.devices import RANK_DEVICES_ENV, needs_split, overlap_gpu_split, visible_gpus
 from batchrl.pipeline.shards import verify_parts
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import is_local, join, local_copy, resolve, upload_file
@@ -81,9 +80,7 @@ class UpdateStage(Stage):
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         cluster = cfg.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
-        check_rank_devices(cfg.update, cluster=cluster)
-        if needs_split(cfg, local_launcher=_local_ranks(cfg.update, cluster=cluster)):
-            overlap_gpu_split(cfg, visible_gpus())  # the engines and the ranks each get GPUs of their own, or exit 2
+        check_rank_devices(cfg.update, cluster=cluster)  # the split beside the engines: the session's check_devices
 
     def check_ready(self, ctx: StageContext) -> None:
         _recorded_trainer_state(ctx)  # a state it cannot continue stops the run before its old output is cleared
@@ -408,7 +405,7 @@ def _spec(
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_dir=join(out_dir, LOGPROBS_DIR),
         threads_per_rank=max(1, int(u.cpus_per_rank)) if cfg.run.max_staleness else None,
-        cuda_devices=os.environ.get(RANK_DEVICES_ENV),  # overlapped on one GPU host: the runner's split
+        cuda_devices=ctx.rank_devices,  # overlapped on one GPU host: the session's split
         critic=cfg.critic,
         train_actor=cfg.critic is None or (ctx.iteration or 0) >= cfg.critic.warmup_iterations,
         critic_head_seed=cfg.run.seed,

@@ -108,6 +108,7 @@ def test_a_run_on_a_cluster_whose_nodes_do_not_see_its_local_root_is_a_config_er
     from batchrl.api import Runner
     from batchrl.config import ConfigError
     from batchrl.config.models import PipelineConfig
+    from batchrl.pipeline.session import check_cluster_paths
     from batchrl.storage import cluster
 
     model = tmp_path / "model"
@@ -121,7 +122,7 @@ def test_a_run_on_a_cluster_whose_nodes_do_not_see_its_local_root_is_a_config_er
         run={"root": str(tmp_path / "runs")},
     )
     runner = Runner(cfg)
-    runner.check_cluster_paths()  # both nodes are this machine: accepted
+    check_cluster_paths(runner.cfg, runner.stages, run_dir=runner.layout.run_dir)  # both nodes are this machine
 
     asked = []
 
@@ -135,6 +136,6 @@ def test_a_run_on_a_cluster_whose_nodes_do_not_see_its_local_root_is_a_config_er
         match=r"Ray cluster of 2 nodes, but run.root=.*runs.* \(not the same on node "
         r"10.0.0.2\).*mounted at the same path on every node",
     ):
-        runner.check_cluster_paths()
+        check_cluster_paths(runner.cfg, runner.stages, run_dir=runner.layout.run_dir)
     assert asked == [([runner.layout.run_dir], [str(model)])]
     assert Path(runner.layout.run_dir).parent == tmp_path / "runs"

@@ -24,7 +24,8 @@ from batchrl.errors import DataError
 from batchrl.pipeline import lock as lock_module
 from batchrl.pipeline.lineage import files_to_ingest, resolve_lineage
 from batchrl.pipeline.lock import RunLock, RunLockedError, break_lock, holder_state
-from batchrl.pipeline.runner import STARTED_MARKER, Runner, build_plan, check_from_stage, current_input_digest
+from batchrl.pipeline.plan import STARTED_MARKER, build_plan, check_from_stage, current_input_digest
+from batchrl.pipeline.runner import Runner
 from batchrl.pipeline.stage import STAGES, StageOutput
 from batchrl.stages.update import UpdateStage
 from batchrl.storage import file_identities, write_parquet_atomic
@@ -467,7 +468,7 @@ def test_a_stage_that_resumes_from_its_journal_keeps_its_files_except_its_damage
     runner = Runner(cfg)
     step = runner.plan[("ingest", None)]
     assert (step.status, step.damaged) == ("damaged", ["part-00001.parquet"])
-    runner._prepare_output_dir(step, runner.stages["ingest"])
+    runner.tables.prepare(step)
     left = sorted(str(p.relative_to(table)) for p in table.rglob("*") if p.is_file())
     assert left == [
         "_MANIFEST.json",

@@ -9,7 +9,7 @@ import json
 
 from batchrl.api import Runner, build_plan
 from batchrl.config import validate_dict
-from batchrl.pipeline import runner as runner_module
+from batchrl.pipeline import plan as plan_module
 from batchrl.storage import resolve, write_bytes_atomic
 from batchrl.storage.journal import Journal, record
 from batchrl.storage.manifest import Manifest, PartInfo, file_sizes, read_manifest, write_manifest
@@ -82,7 +82,7 @@ def test_planning_a_run_with_epochs_reads_each_manifest_once(tmp_path, monkeypat
         reads.append(table_dir)
         return read_manifest(table_dir)
 
-    monkeypatch.setattr(runner_module, "read_manifest", counting)
+    monkeypatch.setattr(plan_module, "read_manifest", counting)
     plan = build_plan(cfg)
     assert [s.label for s in plan][:3] == ["ingest", "iter 0 generate", "iter 0 score"] and len(plan) == 1 + 4 * 3
     assert plan[0].status == "done" and reads.count(ingest.output_dir) == 1
@@ -91,4 +91,4 @@ def test_planning_a_run_with_epochs_reads_each_manifest_once(tmp_path, monkeypat
     assert runner.cfg.run.iterations == 3 and reads.count(ingest.output_dir) == 1
     reads.clear()
     assert build_plan(cfg, verify_checksums=True)[0].status == "damaged"  # the parts' sha256 differ from the record
-    assert reads.count(ingest.output_dir) == 2  # counting reads without checksums; the plan's check needs them
+    assert reads.count(ingest.output_dir) == 1  # read once, with the checksums: counting takes it from the plan

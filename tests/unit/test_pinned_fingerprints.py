@@ -17,7 +17,7 @@ import pytest
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages)
 from batchrl.config import load_pipeline
-from batchrl.pipeline.runner import build_plan
+from batchrl.pipeline.plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 PINS = Path(__file__).with_name("pinned_fingerprints.json")

@@ -12,7 +12,7 @@ import pytest
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages)
 from batchrl.config import ConfigError, validate_dict
-from batchrl.pipeline.runner import STARTED_MARKER, build_plan, check_from_stage
+from batchrl.pipeline.plan import STARTED_MARKER, build_plan, check_from_stage
 from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 
 

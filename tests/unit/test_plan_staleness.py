@@ -8,7 +8,7 @@ import pytest
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages)
 from batchrl.config import validate_dict
-from batchrl.pipeline.runner import build_plan
+from batchrl.pipeline.plan import build_plan
 
 
 def config(tmp_path: Path, *, staleness: int, critic: bool = False) -> object:
@@ -77,14 +77,14 @@ def test_one_gpu_hosts_gpus_are_split_between_the_engines_and_the_update_ranks(t
 
 def test_overlap_with_gpu_engines_on_a_host_without_enough_gpus_is_a_config_error(tmp_path, monkeypatch):
     from batchrl.config import ConfigError
-    from batchrl.stages.update import UpdateStage
+    from batchrl.pipeline.session import check_devices
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this host: no GPU
     cfg = config(tmp_path, staleness=1)
     with pytest.raises(ConfigError, match=r"need 2 GPUs, and this host has 0"):
-        UpdateStage().check_inputs(with_gpu_engines(cfg, ranks=1))
-    UpdateStage().check_inputs(cfg)  # CPU engines: the shares are generate.cpus_per_actor and update.cpus_per_rank
+        check_devices(with_gpu_engines(cfg, ranks=1))  # the runner asks it before the run directory is touched
+    assert check_devices(cfg) is None  # CPU engines: the shares are generate.cpus_per_actor and update.cpus_per_rank
 
 
 def test_the_update_ranks_get_their_share_of_threads_and_gpus():
@@ -94,14 +94,14 @@ def test_the_update_ranks_get_their_share_of_threads_and_gpus():
     assert (env["OMP_NUM_THREADS"], env["CUDA_VISIBLE_DEVICES"], env["LOCAL_RANK"]) == ("3", "6,7", "1")
 
 
-def test_the_embedded_ray_sees_only_the_engines_gpus_and_the_update_stage_learns_the_ranks(tmp_path, monkeypatch):
+def test_the_embedded_ray_sees_only_the_engines_gpus_and_the_session_keeps_the_ranks_for_the_update(
+    tmp_path, monkeypatch
+):
     import os
-    import types
 
     import ray
 
-    from batchrl.pipeline.devices import RANK_DEVICES_ENV
-    from batchrl.pipeline.runner import _ray_session
+    from batchrl.pipeline.session import ray_session
 
     if ray.is_initialized():
         ray.shutdown()
@@ -109,8 +109,10 @@ def test_the_embedded_ray_sees_only_the_engines_gpus_and_the_update_stage_learns
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = with_gpu_engines(config(tmp_path, staleness=1), ranks=2)
     cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"num_cpus": 1})})
-    runner = types.SimpleNamespace(cfg=cfg, embedded_ray=False)
-    with _ray_session(runner):
-        assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ[RANK_DEVICES_ENV]) == ("0", "1,2")
+    before = dict(os.environ)
+    with ray_session(cfg) as session:
+        # what the runner hands the update stage (StageContext.rank_devices), not an environment variable
+        assert (os.environ["CUDA_VISIBLE_DEVICES"], session.rank_devices) == ("0", "1,2") and session.embedded_ray
+        assert [name for name in os.environ if name.startswith("BATCHRL") and name not in before] == []
         assert ray.cluster_resources().get("GPU") == 1.0
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2" and RANK_DEVICES_ENV not in os.environ
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2" and not session.embedded_ray

@@ -13,7 +13,7 @@ from harness import cli, write_yaml
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages)
 from batchrl.config import validate_dict
-from batchrl.pipeline.runner import build_plan
+from batchrl.pipeline.plan import build_plan
 from batchrl.references import source_digest
 from batchrl.stages.score import ScoreStage
 from batchrl.storage.manifest import Manifest, write_manifest
