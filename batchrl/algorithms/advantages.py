@@ -34,9 +34,7 @@ Departures:
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -322,43 +320,3 @@ def overlong_penalty(
         raise ValueError("response_lengths must be finite token counts >= 0")
     excess = np.clip(lengths - (max_response_length - overlong_buffer_len), 0.0, overlong_buffer_len)
     return 0.0 - penalty_factor * excess / overlong_buffer_len  # 0.0 - ...: no -0.0 in the output
-
-
-def _grpo(rewards_PG: np.ndarray, *, eps: float = 1e-6) -> np.ndarray:
-    return grpo_advantages(rewards_PG, std_normalize=True, eps=eps)
-
-
-def _drgrpo(rewards_PG: np.ndarray) -> np.ndarray:
-    return grpo_advantages(rewards_PG, std_normalize=False)
-
-
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., np.ndarray]] = {
-    "grpo": _grpo,
-    "drgrpo": _drgrpo,
-    "rloo": rloo_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-    "grpo_passk": passk_advantages,
-}
-
-
-def compute_advantages(estimator: str, rewards_PG: np.ndarray, **options) -> np.ndarray:
-    """Return the advantages of `estimator` for `rewards_PG` [num_prompts, samples_per_group], float64.
-
-    Estimators and their options: "grpo" (eps), "drgrpo" (none), "rloo" (none), "reinforce_pp_baseline"
-    (eps, response_lengths_PG, moments), "grpo_passk" (k required, eps). An unknown estimator, an option
-    the estimator does not take, or a missing required option is a ValueError.
-    """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {list(ADVANTAGE_ESTIMATORS)}")
-    function = ADVANTAGE_ESTIMATORS[estimator]
-    parameters = inspect.signature(function).parameters
-    accepted = {name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    required = {name for name in accepted if parameters[name].default is inspect.Parameter.empty}
-    if set(options) - accepted:
-        raise ValueError(
-            f"advantage estimator {estimator!r} does not take {sorted(set(options) - accepted)}; "
-            f"its options are {sorted(accepted)}"
-        )
-    if required - set(options):
-        raise ValueError(f"advantage estimator {estimator!r} needs {sorted(required - set(options))}")
-    return function(rewards_PG, **options)

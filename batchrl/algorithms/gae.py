@@ -22,8 +22,12 @@ differentiated).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the GAE functions are numpy: the advantage stage's workers need not import torch
+    import torch
 
 WHITEN_EPS = 1e-8
 
@@ -132,7 +136,7 @@ def clipped_value_losses(
     mask_BT = mask_BT.bool()
     used_clipped = (clipped_losses_BT > unclipped_losses_BT) & mask_BT
     clip_fraction = used_clipped.sum() / mask_BT.sum().clamp_min(1)
-    return 0.5 * torch.maximum(unclipped_losses_BT, clipped_losses_BT), clip_fraction
+    return 0.5 * unclipped_losses_BT.maximum(clipped_losses_BT), clip_fraction
 
 
 def explained_variance(returns_NT: np.ndarray, values_NT: np.ndarray, mask_NT: np.ndarray) -> float:

@@ -4,8 +4,9 @@ The stage exists when the pipeline has a ``critic:`` section (advantage.estimato
 wrote (or the last user stage placed after score) and the iteration's input policy, whose ``critic/`` is the critic
 the previous update trained (at the first iteration: critic.model_path, or the policy with a fresh value head
 seeded by run.seed; `batchrl.trainer.critic.critic_source`). Each actor loads that critic once and adds a
-``values`` column: per sample, V(s_t) before each response token. The advantage stage reads this table in place
-of the scores (`Stage.takes_over`), so GAE runs on rows that carry both the rewards and the values.
+``values`` column: per sample, V(s_t) before each response token. With a critic the advantage stage declares this
+table as its input (`batchrl.stages.advantage.advantage_stages`), so GAE runs on rows that carry both the rewards
+and the values, and the run order puts values before advantage because advantage reads it.
 
 Why a stage of its own and not inside advantage (where KL-in-reward loads the reference model):
 - the values are a table one can inspect and resume from, made by the critic that existed when the rollouts were
@@ -37,7 +38,6 @@ class ValuesStage(Stage):
     table = "values"
     schema = "values"
     inputs: tuple[str, ...] = ("scores", POLICY)  # the first: set to the table it reads by `values_stages`
-    takes_over = "scores"
     reads_behaviour_policy = True  # the critic of the policy that generated the rollouts
     config_section = "critic"
     timing_name = "values"
@@ -133,8 +133,7 @@ class ValuesWorker(ShardWorker):
 
 def values_stages(cfg: PipelineConfig) -> list[type[Stage]]:
     """The values stage when the pipeline has a critic: it reads the last table after score (a user stage's, or
-    the scores) and takes over the scores for the stages after it. Registered after the user stages (this module's
-    provider is appended after user.py's), so advantage reads the values table (`source_table`: the last)."""
+    the scores), named here from the config, so the order the providers were appended in does not matter."""
     if cfg.critic is None:
         return []
     after_score = [entry.name for entry in cfg.stages if entry.after == "score"]

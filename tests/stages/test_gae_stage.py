@@ -14,7 +14,7 @@ from batchrl.algorithms.gae import gae_advantages_and_returns, masked_whiten, to
 from batchrl.config import ConfigError, validate_dict
 from batchrl.config.models import AdvantageConfig
 from batchrl.errors import DataError
-from batchrl.stages.advantage import gae_output, gae_shard, gae_stats
+from batchrl.stages.advantage_gae import gae_output, gae_shard, gae_stats
 
 
 def config(**sections) -> dict:
@@ -40,6 +40,27 @@ def test_the_critic_section_is_checked(sections, message):
 def test_gae_runs_with_one_sample_per_prompt():
     cfg = validate_dict(config(advantage={"estimator": "gae"}, critic={}, generate={"num_samples_per_prompt": 1}))
     assert cfg.critic.lr == 1e-5 and cfg.advantage.gamma == 1.0
+
+
+def test_with_a_critic_advantage_reads_the_values_table_by_its_name_and_runs_after_it():
+    import batchrl.stages  # noqa: F401  (registers the built-in stages and the providers)
+    from batchrl.pipeline.stage import STAGES, source_table, stage_order, sync_stages
+
+    shaping = {
+        "name": "shaping",
+        "after": "score",
+        "call": "examples.prompt_shaping:shape_by_prompt_length",
+        "outputs": ["scores"],
+    }
+    sync_stages(validate_dict(config(advantage={"estimator": "gae"}, critic={}, stages=[shaping])))
+    try:
+        assert STAGES["advantage"].inputs == ("values",) and source_table("values", "advantage") == "values"
+        assert STAGES["values"].inputs[0] == "shaping" and STAGES["values"].takes_over is None
+        order = stage_order()
+        assert order.index("score") < order.index("shaping") < order.index("values") < order.index("advantage")
+    finally:
+        sync_stages(validate_dict(config()))
+    assert STAGES["advantage"].inputs == ("scores",)
 
 
 def group_table(groups: list[list[tuple[float, list[int], list[float]]]]) -> pa.Table:

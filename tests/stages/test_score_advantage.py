@@ -12,7 +12,9 @@ import pytest
 
 from batchrl.algorithms.advantages import batch_moments
 from batchrl.config.models import AdvantageConfig
-from batchrl.stages.advantage import AdvantageWorker, raw_advantages, shard_groups
+from batchrl.stages.advantage import AdvantageWorker
+from batchrl.stages.advantage_group import raw_advantages
+from batchrl.stages.advantage_table import shard_groups
 from batchrl.stages.score import RewardSet, ScoreWorker
 from batchrl.storage.schemas import conform
 
@@ -242,7 +244,7 @@ def test_reference_logprobs_equal_one_unbatched_forward_per_sample_with_or_witho
     """Two prompts of different lengths, 3 samples each; with share_prompt a row holds a prompt once and then its
     samples' responses (all of them, or, with a 14-token budget, packs cut by it: 4 + 2 + 5 + 3, then 7 + 2 + 5 and
     7 + 3)."""
-    from batchrl.stages.advantage import explode_groups
+    from batchrl.stages.advantage_table import explode_groups
     from batchrl.trainer import reference
     from batchrl.trainer.data import samples_from_table
 
@@ -367,6 +369,7 @@ def test_the_stage_merges_each_shards_moments_from_its_workers_and_its_driver_re
     import fsspec
 
     from batchrl.stages import advantage as advantage_module
+    from batchrl.stages import advantage_moments
     from batchrl.storage import read_parquet
 
     shards = [
@@ -386,7 +389,7 @@ def test_the_stage_merges_each_shards_moments_from_its_workers_and_its_driver_re
 
     opened: list[str] = []  # every file the driver opens from here on
     moment_jobs: list[int] = []  # the shards each first pass computed moments for
-    original_open, original_map = fsspec.AbstractFileSystem.open, advantage_module.map_shards
+    original_open, original_map = fsspec.AbstractFileSystem.open, advantage_moments.map_shards
 
     def spying_open(fs, path, *args, **kwargs):
         opened.append(str(path))
@@ -397,7 +400,7 @@ def test_the_stage_merges_each_shards_moments_from_its_workers_and_its_driver_re
         return original_map(worker_cls, worker_kwargs, jobs, **kwargs)
 
     monkeypatch.setattr(fsspec.AbstractFileSystem, "open", spying_open)
-    monkeypatch.setattr(advantage_module, "map_shards", counting_map)
+    monkeypatch.setattr(advantage_moments, "map_shards", counting_map)
     ctx = advantage_context(tmp_path, manifest, estimator="reinforce_pp_baseline")
     output = advantage_module.AdvantageStage().run(ctx)
     assert moment_jobs == [3]  # the first pass ran on the actor pool, one job per scores part
@@ -488,8 +491,7 @@ def test_a_group_without_samples_or_passk_over_a_smaller_group_is_a_data_error_n
 
 def metrics_of(stats_by_stage: dict[str, dict[str, float]]) -> dict:
     """iteration_metrics over committed score and advantage manifests holding these stats."""
-    from batchrl.pipeline.plan import PlannedStage
-    from batchrl.pipeline.summary import iteration_metrics
+    from batchrl.pipeline.runner import PlannedStage, iteration_metrics
     from batchrl.stages.advantage import AdvantageStage
     from batchrl.stages.score import ScoreStage
     from batchrl.storage.manifest import Manifest
@@ -518,7 +520,7 @@ def test_critic_score_is_what_advantage_read_and_the_score_stages_own_is_score_r
 
 
 def test_advantage_counts_every_score_it_read_the_groups_that_filtering_drops_included():
-    from batchrl.stages.advantage import score_counts
+    from batchrl.stages.advantage_metrics import score_counts
 
     counts = score_counts(pa.table({"scores": [[1.0, 1.0], [0.0, 0.5]]}))  # the first group is all equal
     assert counts == {"score_samples": 4.0, "score_sum": 2.5, "score_max": 1.0, "score_min": 0.0}

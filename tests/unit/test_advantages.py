@@ -1,9 +1,11 @@
 """Advantage estimators, whitening, dynamic sampling and overlong penalty: hand-computed values and
 independent per-group loops (the verl-style reference) on random rewards."""
 
+import inspect
 import itertools
 import math
 import statistics
+import typing
 import warnings
 
 import numpy as np
@@ -11,10 +13,8 @@ import pytest
 import torch
 
 from batchrl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
     BatchMoments,
     batch_moments,
-    compute_advantages,
     dynamic_sampling_mask,
     grpo_advantages,
     overlong_penalty,
@@ -23,6 +23,9 @@ from batchrl.algorithms.advantages import (
     rloo_advantages,
     whiten,
 )
+from batchrl.algorithms.estimators import ESTIMATORS, compute_advantages
+from batchrl.algorithms.gae import gae_advantages_and_returns
+from batchrl.config.models import AdvantageConfig
 
 EPS = 1e-6
 
@@ -352,7 +355,7 @@ def test_invalid_overlong_settings_are_rejected(kwargs, message):
 # ---------------------------------------------------------------- dispatcher
 
 
-def test_each_estimator_name_dispatches_to_its_function():
+def test_each_estimator_name_dispatches_to_its_function_before_batch_whitening():
     rewards = _random_rewards(0, 4)
     binary = rewards[:48]
     np.testing.assert_array_equal(compute_advantages("grpo", rewards), grpo_advantages(rewards))
@@ -360,15 +363,42 @@ def test_each_estimator_name_dispatches_to_its_function():
     np.testing.assert_array_equal(compute_advantages("drgrpo", rewards), grpo_advantages(rewards, std_normalize=False))
     np.testing.assert_array_equal(compute_advantages("rloo", rewards), rloo_advantages(rewards))
     np.testing.assert_array_equal(
-        compute_advantages("reinforce_pp_baseline", rewards), reinforce_pp_baseline_advantages(rewards)
+        whiten(compute_advantages("reinforce_pp_baseline", rewards)), reinforce_pp_baseline_advantages(rewards)
     )
     np.testing.assert_array_equal(compute_advantages("grpo_passk", binary, k=2), passk_advantages(binary, k=2))
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "grpo_passk"}
+
+
+def test_the_estimator_table_covers_every_estimator_the_config_accepts_and_no_other():
+    """A new estimator cannot be half-added: named in AdvantageConfig.estimator but missing here, or the reverse."""
+    assert set(ESTIMATORS) == set(typing.get_args(AdvantageConfig.model_fields["estimator"].annotation))
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_each_estimators_options_are_keywords_of_its_function_set_by_advantage_config_fields(name):
+    entry = ESTIMATORS[name]
+    keywords = inspect.signature(entry.advantages).parameters
+    assert all(keywords[k].kind is inspect.Parameter.KEYWORD_ONLY for k in entry.options)
+    assert set(entry.options.values()) <= set(AdvantageConfig.model_fields)
+
+
+def test_the_table_declares_each_estimators_kind_and_which_need_the_batchs_moments():
+    kinds = {name: entry.kind for name, entry in ESTIMATORS.items()}
+    assert kinds == {name: "group" for name in kinds if name != "gae"} | {"gae": "token"}
+    assert {name for name, entry in ESTIMATORS.items() if entry.needs_batch_moments} == {"reinforce_pp_baseline", "gae"}
+    assert ESTIMATORS["gae"].advantages is gae_advantages_and_returns
+
+
+def test_options_are_read_from_the_advantage_config_by_field_name():
+    cfg = AdvantageConfig(estimator="grpo_passk", passk_k=3, epsilon=0.25)
+    assert ESTIMATORS["grpo_passk"].options_from(cfg) == {"eps": 0.25, "k": 3}
+    assert ESTIMATORS["gae"].options_from(AdvantageConfig(estimator="gae", gamma=0.9)) == {"gamma": 0.9, "lam": 1.0}
 
 
 def test_unknown_estimator_is_rejected_with_the_valid_names_listed():
     with pytest.raises(ValueError, match="grpo.*drgrpo.*rloo.*reinforce_pp_baseline.*grpo_passk"):
         compute_advantages("ppo", np.ones((1, 2)))
+    with pytest.raises(ValueError, match="unknown group advantage estimator 'gae'"):
+        compute_advantages("gae", np.ones((1, 2)))
 
 
 def test_an_option_the_estimator_does_not_take_or_a_missing_required_one_is_rejected():

@@ -65,5 +65,9 @@ def test_two_writers_of_one_table_and_one_name_twice_are_refused(registry):
 
 def test_the_built_in_run_order_is_the_pipeline_diagrams():
     import batchrl.stages  # noqa: F401  (registers them)
+    from batchrl.config import validate_dict
+    from batchrl.pipeline.stage import sync_stages
 
+    # advantage's input depends on the config (the values table with a critic): planning syncs the stages first
+    sync_stages(validate_dict({"name": "t", "model": {"path": "m"}, "data": {"train_files": ["d"]}}))
     assert stage_order() == ["ingest", "generate", "score", "advantage", "update", "evaluate"]
