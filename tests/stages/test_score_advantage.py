@@ -491,7 +491,8 @@ def test_a_group_without_samples_or_passk_over_a_smaller_group_is_a_data_error_n
 
 def metrics_of(stats_by_stage: dict[str, dict[str, float]]) -> dict:
     """iteration_metrics over committed score and advantage manifests holding these stats."""
-    from batchrl.pipeline.runner import PlannedStage, iteration_metrics
+    from batchrl.pipeline.plan import PlannedStage
+    from batchrl.pipeline.summary import iteration_metrics
     from batchrl.stages.advantage import AdvantageStage
     from batchrl.stages.score import ScoreStage
     from batchrl.storage.manifest import Manifest
