@@ -188,20 +188,24 @@ def unregister(name: str) -> None:
 
 
 def stage_order() -> list[str]:
-    """Stage names in run order, derived from what each reads: once-per-run stages first, and a stage after every
-    stage whose table it reads (with ``reads_new_policy``, after the stage that writes the policy too); among
-    stages free to run, registration order. So the order is the dataflow's, whatever order modules are imported in.
+    """Stage names in run order, derived from what each reads: a stage after every stage whose table it reads (with
+    ``reads_new_policy``, after the stage that writes the policy too). Among stages free to run: once-per-run stages
+    first, then a stage whose table another reads before one whose table none does (a report or an evaluation waits
+    behind the training line), then by name. So the order is a function of the declarations alone, the same
+    whatever order modules are imported (registered) in.
     """
     if not STAGES:
         raise AssertionError("no stage is registered: import batchrl.stages (batchrl.api does) before planning")
     writers = {cls.table: name for name, cls in STAGES.items()}
     needs = {name: _writers_read_by(cls, writers) for name, cls in STAGES.items()}
+    tables_read = {source_table(t, name) for name, cls in STAGES.items() for t in cls.inputs}
+    read = {writers[t] for t in tables_read if t in writers}  # the stages whose table another reads
     order: list[str] = []
     while len(order) < len(STAGES):
         ready = [name for name in STAGES if name not in order and needs[name] <= set(order)]
         if not ready:
             raise AssertionError(f"stages {sorted(set(STAGES) - set(order))} read each other's tables in a cycle")
-        order.append(min(ready, key=lambda name: STAGES[name].per_iteration))  # min: the first once-per-run one
+        order.append(min(ready, key=lambda name: (STAGES[name].per_iteration, name not in read, name)))
     return order
 
 

@@ -80,7 +80,8 @@ def test_a_registered_throwaway_stage_runs_every_iteration_and_resumes_like_a_bu
     assert list(STAGES)[-1] == "sample_count"
     planned = [s.label for s in build_plan(cfg, check_storage=False)]
     assert [label for label in planned if "sample_count" in label] == ["iter 0 sample_count", "iter 1 sample_count"]
-    # after the stage whose table it reads; among stages free to run, those registered first (the built-ins) go first
+    # after the stage whose table it reads; among stages free to run, one whose table another reads goes first (the
+    # training line: advantage, update), and this one, whose table nothing reads, after them
     assert planned[1:6] == [
         "iter 0 generate",
         "iter 0 score",

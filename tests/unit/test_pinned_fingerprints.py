@@ -64,3 +64,9 @@ def pins() -> dict[str, dict[str, str]]:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_the_plan_keeps_its_pinned_fingerprints(pins, variant):
     assert plan_fingerprints(*VARIANTS[variant]) == pins[variant]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_plan_keeps_its_pinned_order(pins, variant):
+    """The steps in the order recorded: the pins keep the plan's order (JSON objects keep their keys' order)."""
+    assert list(plan_fingerprints(*VARIANTS[variant])) == list(pins[variant])

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from batchrl.pipeline import stage as contract
@@ -40,10 +45,22 @@ def test_stages_run_after_the_stages_whose_tables_they_read_whatever_their_regis
     assert stage_order() == ["load", "label", "train", "judge"]
 
 
-def test_among_stages_free_to_run_registration_order_decides(registry):
-    for cls in [make("load", "items", once=True), make("b", "bs", ("items",)), make("a", "as", ("items",))]:
+def test_among_stages_free_to_run_one_whose_table_is_read_goes_first_then_the_names_decide(registry):
+    stages = [
+        make("load", "items", once=True),
+        make("b", "bs", ("items",)),
+        make("report", "reports", ("items",)),
+        make("a", "as", ("items",)),
+        make("total", "totals", ("bs",)),
+    ]
+    for cls in reversed(stages):
         register(cls)
-    assert stage_order() == ["load", "b", "a"]
+    assert stage_order() == ["load", "b", "a", "report", "total"]  # b: total reads its table
+    for name in list(contract.STAGES):
+        contract.unregister(name)
+    for cls in stages:
+        register(cls)
+    assert stage_order() == ["load", "b", "a", "report", "total"]
 
 
 def test_a_stage_reading_a_table_nobody_writes_or_a_cycle_is_refused(registry):
@@ -71,3 +88,49 @@ def test_the_built_in_run_order_is_the_pipeline_diagrams():
     # advantage's input depends on the config (the values table with a critic): planning syncs the stages first
     sync_stages(validate_dict({"name": "t", "model": {"path": "m"}, "data": {"train_files": ["d"]}}))
     assert stage_order() == ["ingest", "generate", "score", "advantage", "update", "evaluate"]
+
+
+# In a fresh process: the stage modules imported one by one in the order given (the package itself imports them
+# sorted), then a config with a user stage after score and a critic (the values stage after it) planned.
+IMPORT_IN_ORDER = """
+import importlib, json, sys, types
+from pathlib import Path
+
+import batchrl
+
+package = types.ModuleType("batchrl.stages")
+package.__path__ = [str(Path(batchrl.__file__).parent / "stages")]
+sys.modules["batchrl.stages"] = package
+for name in sys.argv[1:]:
+    importlib.import_module(f"batchrl.stages.{name}")
+
+from batchrl.config import validate_dict
+from batchrl.pipeline.stage import STAGES, source_table, stage_order, sync_stages
+
+shaping = {"name": "shaping", "after": "score", "call": "examples.prompt_shaping:shape_by_prompt_length",
+           "outputs": ["scores", "length_penalties"]}
+sync_stages(validate_dict({"name": "p", "model": {"path": "m"}, "data": {"train_files": ["d"]},
+                           "advantage": {"estimator": "gae"}, "critic": {}, "stages": [shaping]}))
+reads = [source_table(table, "advantage") for table in STAGES["advantage"].inputs]
+print(json.dumps({"registered": list(STAGES), "order": stage_order(), "advantage_reads": reads}))
+"""
+
+
+def test_the_run_order_and_what_advantage_reads_do_not_depend_on_the_order_the_stages_are_imported_in():
+    modules = ["advantage", "evaluate", "generate", "ingest", "score", "update", "user", "values"]
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", IMPORT_IN_ORDER, *order],
+                cwd=Path(__file__).resolve().parents[2],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for order in (modules, modules[::-1])
+    ]
+    assert runs[0]["registered"] != runs[1]["registered"]  # the two processes did register in other orders
+    for run in runs:
+        assert run["order"] == ["ingest", "generate", "score", "shaping", "values", "advantage", "update", "evaluate"]
+        assert run["advantage_reads"] == ["values"]
