@@ -1,6 +1,6 @@
 """docs/CONFIG.md: every pipeline field, rendered from the models' ``Field(description=...)``.
 
-Why generated: each field is documented once, in batchrl/config/models.py; a hand-written reference would drift
+Why generated: each field is documented once, in its model under batchrl/config/; a hand-written reference would drift
 from it. Regenerate after changing a field with ``python -m batchrl.config.reference docs/CONFIG.md``;
 tests/unit/test_config_reference.py fails while the committed file differs from what this renders.
 """
@@ -23,7 +23,7 @@ from batchrl.config.models import PipelineConfig
 
 HEADER = """# Pipeline configuration reference
 
-Generated from the field descriptions in `batchrl/config/models.py` by
+Generated from the field descriptions of the models in `batchrl/config/` by
 `python -m batchrl.config.reference docs/CONFIG.md`: edit those, not this file. Unknown keys are errors.
 A pipeline file may merge `profiles:` underneath it (where they are looked for: README, Configuration), and
 `batchrl run/plan/validate --set a.b=c` overrides any field on top (`batchrl validate` prints the resolved config).

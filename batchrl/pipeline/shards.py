@@ -35,7 +35,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from batchrl.config.models import ActorResources
 from batchrl.errors import DataError
+from batchrl.pipeline.stage import StageContext
 from batchrl.storage import join, parquet_from_bytes, read_parquet, resolve, write_parquet_atomic
 from batchrl.storage.fs import sha256_of_each
 from batchrl.storage.journal import Journal, record, record_parts
@@ -241,40 +243,83 @@ class FinishedShards:
         self.journal.flush()
 
 
+@dataclass(frozen=True)
+class ShardRun:
+    """What `run_sharded` takes from a stage's context: the table it maps (its directory and committed manifest), the
+    output directory, the progress bar's name, whether bars are shown, and whether the Ray in use is the runner's own
+    on this machine (StageContext.embedded_ray: a lone CPU shard then runs in the driver, `runs_in_driver`)."""
+
+    input_dir: str
+    input_manifest: Manifest
+    output_dir: str
+    description: str = "stage"
+    progress_bars: bool = True
+    embedded_ray: bool = False
+
+    @classmethod
+    def of(cls, ctx: StageContext, table: str, *, description: str) -> ShardRun:
+        """Stage ``ctx``'s run over its input ``table`` (a name of ctx.inputs), into its output directory."""
+        return cls(
+            input_dir=ctx.input_dirs[table],
+            input_manifest=ctx.inputs[table],
+            output_dir=ctx.output_dir,
+            description=description,
+            progress_bars=ctx.cfg.tracking.progress_bars,
+            embedded_ray=ctx.embedded_ray,
+        )
+
+
 def run_sharded(
+    shards: ShardRun | None = None,
     *,
-    input_dir: str,
-    input_manifest: Manifest,
-    output_dir: str,
     worker_cls: type[ShardWorker],
     worker_kwargs: dict[str, Any],
-    concurrency: int,
-    num_cpus: float,
-    num_gpus: float = 0.0,
-    description: str = "stage",
-    progress_bars: bool = True,
-    embedded_ray: bool = False,
+    actors: ActorResources | None = None,
+    **spelled_out: Any,
 ) -> tuple[list[PartInfo], dict[str, float]]:
-    """Runs ``worker_cls`` over every input part not yet done (see `pending_shards`); returns the parts in input
-    order and the summed counts. Each finished shard is recorded in the output's journal as its result arrives.
-    ``embedded_ray``: the Ray in use is the runner's own on this machine (StageContext.embedded_ray)."""
-    jobs = shard_jobs(input_dir=input_dir, input_manifest=input_manifest, output_dir=output_dir)
-    parts, counts, todo = pending_shards(jobs, output_dir=output_dir)
+    """Runs ``worker_cls`` over every input part of ``shards`` not yet done (see `pending_shards`), in a pool of
+    ``actors`` (a config section's actor resources); returns the parts in input order and the summed counts. Each
+    finished shard is recorded in the output's journal as its result arrives.
+
+    ``spelled_out``: ShardRun's fields and the pool's concurrency, num_cpus and num_gpus as keywords, the form this
+    took before ShardRun, for the call sites not yet moved to it."""
+    if shards is None or actors is None:
+        shards, actors = _spelled_out(shards, actors, spelled_out)
+    elif spelled_out:
+        raise TypeError(f"run_sharded: {sorted(spelled_out)} given beside a ShardRun and actors")
+    jobs = shard_jobs(input_dir=shards.input_dir, input_manifest=shards.input_manifest, output_dir=shards.output_dir)
+    parts, counts, todo = pending_shards(jobs, output_dir=shards.output_dir)
     rows = map_shards(
         worker_cls,
         worker_kwargs,
         todo,
-        concurrency=concurrency,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        description=description,
-        progress_bars=progress_bars,
-        embedded_ray=embedded_ray,
+        concurrency=actors.num_actors,
+        num_cpus=actors.cpus_per_actor,
+        num_gpus=actors.gpus_per_actor,
+        description=shards.description,
+        progress_bars=shards.progress_bars,
+        embedded_ray=shards.embedded_ray,
     )
-    with FinishedShards(todo, output_dir=output_dir, parts=parts, counts=counts) as finished:
+    with FinishedShards(todo, output_dir=shards.output_dir, parts=parts, counts=counts) as finished:
         for row in rows:
             finished.add(row)
-    return [parts[p.name] for p in input_manifest.parts], counts
+    return [parts[p.name] for p in shards.input_manifest.parts], counts
+
+
+def _spelled_out(
+    shards: ShardRun | None, actors: ActorResources | None, keywords: dict[str, Any]
+) -> tuple[ShardRun, ActorResources]:
+    """The ShardRun and actors of a call that spells them out as keywords (see `run_sharded`)."""
+    pool = {"concurrency": "num_actors", "num_cpus": "cpus_per_actor", "num_gpus": "gpus_per_actor"}
+    run_fields = {name for name in ShardRun.__dataclass_fields__}
+    unknown = set(keywords) - run_fields - set(pool)
+    if unknown:
+        raise TypeError(f"run_sharded got unexpected keywords {sorted(unknown)}")
+    if shards is None:
+        shards = ShardRun(**{k: v for k, v in keywords.items() if k in run_fields})
+    if actors is None:
+        actors = ActorResources(**{pool[k]: v for k, v in keywords.items() if k in pool})
+    return shards, actors
 
 
 def map_shards(

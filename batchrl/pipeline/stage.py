@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from batchrl.config import PipelineConfig
+from batchrl.config.models import ActorResources, DataConfig
 from batchrl.storage import RunLayout
 from batchrl.storage.manifest import Manifest, PartInfo
 
@@ -62,6 +63,17 @@ class ActorNeed:
     gpus: float
     cpus_field: str  # e.g. "generate.cpus_per_actor": what to lower when the cluster cannot hold one
     gpus_field: str
+
+    @classmethod
+    def of(cls, actors: ActorResources | DataConfig, *, field: str) -> ActorNeed:
+        """What one actor of the config section ``actors`` asks for (data's ingest actors: CPUs only); ``field``: the
+        section's dotted name, e.g. "score.reward_model"."""
+        return cls(
+            cpus=actors.cpus_per_actor,
+            gpus=getattr(actors, "gpus_per_actor", 0.0),
+            cpus_field=f"{field}.cpus_per_actor",
+            gpus_field=f"{field}.gpus_per_actor",
+        )
 
 
 # The keys of a fingerprint_config that hold digests of user code (a custom reward's or a user stage's module): a

@@ -23,7 +23,7 @@ import pyarrow as pa
 from batchrl.algorithms.advantages import BatchMoments
 from batchrl.algorithms.estimators import ESTIMATORS
 from batchrl.config import PipelineConfig
-from batchrl.config.models import AdvantageConfig
+from batchrl.config.models import AdvantageConfig, fingerprint_dump
 from batchrl.pipeline.shards import ShardWorker, run_sharded
 from batchrl.pipeline.stage import STAGE_PROVIDERS, Stage, StageContext, StageOutput
 from batchrl.stages.advantage_gae import gae_stats, token_moments, token_output
@@ -109,10 +109,7 @@ class AdvantageStage(Stage):
         return {**manifest.stats, "critic/groups_all_equal": manifest.counts.get("groups_all_equal", 0)}
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        # share_prompt changes how the reference forward is batched, not what it computes (up to float rounding)
-        config: dict[str, Any] = {
-            "advantage": cfg.advantage.model_dump(exclude_defaults=True, exclude={"kl_in_reward_share_prompt"})
-        }
+        config: dict[str, Any] = {"advantage": fingerprint_dump(cfg.advantage, exclude_defaults=True)}
         if cfg.advantage.kl_in_reward_coef > 0:
             config["reference"] = cfg.model.path
         return config

@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from batchrl.algorithms.evaluation import evaluation_metrics, majority_vote
 from batchrl.config import ConfigError, PipelineConfig
+from batchrl.config.models import fingerprint_dump
 from batchrl.errors import DataError
 from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
@@ -82,7 +83,7 @@ class EvaluateStage(Stage):
         e = cfg.evaluate
         code = reward_code(cfg.score)  # editing a custom reward's module re-evaluates
         return ({"reward_code": code} if code else {}) | {
-            "evaluate": None if e is None else e.model_dump(exclude={"before_training", "every"}),
+            "evaluate": None if e is None else fingerprint_dump(e),
             "max_new_tokens": None if e is None else max_new_tokens(cfg),
             "score": cfg.score.model_dump(),
             "tokenizer": cfg.model.tokenizer or cfg.model.path,

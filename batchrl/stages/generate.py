@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
 from batchrl.config import PipelineConfig
+from batchrl.config.models import fingerprint_dump
 from batchrl.errors import DataError
 from batchrl.pipeline.deadlines import DeadlineStats, run_with_deadlines, task_retries
 from batchrl.pipeline.shards import FinishedShards, ShardWorker, map_shards, pending_shards
@@ -326,20 +327,11 @@ class GenerateStage(Stage):
         }
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        placement = {
-            "num_actors",
-            "cpus_per_actor",
-            "gpus_per_actor",
-            "gpu_memory_utilization",
-            "enforce_eager",
-            "shard_timeout_s",
-            "engine_lifetime",
-        }
         # batch_rows: batches take rows shuffled inside each part (batches.row_order), not contiguous slices as
         # before; the key redoes the iterations of a batched run made before, whose batches held other prompts
         batches = {"prompts_per_iteration": cfg.data.prompts_per_iteration, "batch_rows": "row_order"}
         return {
-            "generate": cfg.generate.model_dump(exclude=placement, exclude_defaults=True),
+            "generate": fingerprint_dump(cfg.generate, exclude_defaults=True),
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
         } | (batches if cfg.data.prompts_per_iteration else {})

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchrl.config import ConfigError, PipelineConfig
+from batchrl.config.base import fingerprint_dump
 from batchrl.errors import DataError
 from batchrl.pipeline.shards import ACTOR_MAX_RESTARTS, SHARD_MAX_RETRIES
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
@@ -80,17 +81,14 @@ class IngestStage(Stage):
         return [("data.train_files", uri) for uri in cfg.data.train_files]
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        # prompts_per_iteration is read by generate; the actors change where the work runs, not its output
-        data = cfg.data.model_dump(
-            exclude_defaults=True, exclude={"prompts_per_iteration", "num_actors", "cpus_per_actor"}
-        )
+        data = fingerprint_dump(cfg.data, exclude_defaults=True)  # without prompts_per_iteration (generate's) or actors
         logged = {}
         if cfg.generate.logged is not None:  # rows need (and carry) their logged responses, cut at max_new_tokens
             logged = {"logged": cfg.generate.logged == "all" or "some", "max_new_tokens": cfg.generate.max_new_tokens}
         return {"data": data, "tokenizer": cfg.model.tokenizer or cfg.model.path} | logged
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
-        return [ActorNeed(cfg.data.cpus_per_actor, 0.0, "data.cpus_per_actor", "data.cpus_per_actor")]
+        return [ActorNeed.of(cfg.data, field="data")]
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         """Before anything is written: the inputs exist, local ones are readable (Parquet footers, a JSONL file's

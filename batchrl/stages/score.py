@@ -32,8 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchrl.config import ConfigError, PipelineConfig
+from batchrl.config.models import ActorResources
 from batchrl.errors import DataError
-from batchrl.pipeline.shards import ShardWorker, run_sharded
+from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import resolve_reward, reward_code
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
@@ -387,7 +388,7 @@ class ScoreStage(Stage):
         reward_model = None
         if s.reward_model is not None:
             rm = s.reward_model
-            reward_model = rm.model_dump(exclude={"num_actors", "cpus_per_actor", "gpus_per_actor"})
+            reward_model = rm.model_dump(exclude=set(ActorResources.model_fields))
             reward_model["device"] = "cuda" if rm.gpus_per_actor > 0 else "cpu"
         return {
             "terms": [
@@ -436,17 +437,10 @@ class ScoreStage(Stage):
         cfg = ctx.cfg
         rm = cfg.score.reward_model
         parts, counts = run_sharded(
-            input_dir=ctx.input_dirs["rollouts"],
-            input_manifest=ctx.inputs["rollouts"],
-            output_dir=ctx.output_dir,
+            ShardRun.of(ctx, "rollouts", description="score"),
             worker_cls=ScoreWorker,
             worker_kwargs=self.reward_kwargs(cfg),
-            concurrency=rm.num_actors if rm else max(1, cfg.ray.num_cpus or 2),
-            num_cpus=rm.cpus_per_actor if rm else 1,
-            num_gpus=rm.gpus_per_actor if rm else 0.0,
-            description="score",
-            progress_bars=cfg.tracking.progress_bars,
-            embedded_ray=ctx.embedded_ray,
+            actors=rm or ActorResources(num_actors=max(1, cfg.ray.num_cpus or 2)),  # rule rewards: a CPU each
         )
         n = int(counts.get("num_samples", 0))
         if counts.get("failed_samples"):
@@ -465,13 +459,7 @@ class ScoreStage(Stage):
 
 
 def reward_model_actor_need(cfg: PipelineConfig) -> ActorNeed:
-    rm = cfg.score.reward_model
-    return ActorNeed(
-        cpus=rm.cpus_per_actor,
-        gpus=rm.gpus_per_actor,
-        cpus_field="score.reward_model.cpus_per_actor",
-        gpus_field="score.reward_model.gpus_per_actor",
-    )
+    return ActorNeed.of(cfg.score.reward_model, field="score.reward_model")
 
 
 def _as_config_error(check: Callable[[], Any]) -> Any:

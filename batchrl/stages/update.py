@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.config.models import UpdateConfig
+from batchrl.config.models import UpdateConfig, fingerprint_dump
 from batchrl.errors import DataError
 from batchrl.pipeline.shards import verify_parts
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
@@ -93,11 +93,8 @@ class UpdateStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         u = cfg.update
-        # Where and how the ranks run, and how long they may take, do not change what they compute.
-        placement = {"timeout_s", "trainer_lifetime", "launcher", "cpus_per_rank"}
-        trust = {"allow_unverified_trainer_state"}  # nor does whether a state without checksums may be loaded
         config = {
-            "update": u.model_dump(exclude=placement | trust | {"keep_last_k_optimizer_states", "share_prompt"}),
+            "update": fingerprint_dump(u),  # keep_last_k_optimizer_states is placement, whether any is saved is not
             "saves_optimizer_state": u.keep_last_k_optimizer_states != 0,
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
@@ -414,7 +411,7 @@ def _spec(
 
 def critic_fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
     """What of the critic section determines the critic an update trains (its values actors do not)."""
-    return cfg.critic.model_dump(exclude={"num_actors", "cpus_per_actor", "gpus_per_actor"}) | {"seed": cfg.run.seed}
+    return fingerprint_dump(cfg.critic) | {"seed": cfg.run.seed}
 
 
 def _behaviour_policy(ctx: StageContext) -> str | None:

@@ -38,9 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.config.models import UserStageConfig
+from batchrl.config.models import UserStageConfig, fingerprint_dump
 from batchrl.errors import DataError, type_phrase
-from batchrl.pipeline.shards import ShardWorker, run_sharded
+from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import STAGE_PROVIDERS, ActorNeed, Stage, StageContext, StageOutput
 from batchrl.references import import_reference, source_digest
 from batchrl.storage.manifest import Manifest
@@ -94,7 +94,8 @@ class UserStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         entry = self.entry(cfg)
-        return entry.model_dump(include={"after", "call", "params", "outputs"}) | {"code": code_digest(entry.call)}
+        # its name names its table's directory; it is not what the stage computes
+        return fingerprint_dump(entry, exclude=frozenset({"name"})) | {"code": code_digest(entry.call)}
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         """Before anything is written: the call resolves to a function or a class that its params fit (checked
@@ -104,15 +105,7 @@ class UserStage(Stage):
             raise ConfigError("\n".join(problems))
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
-        entry, field = self.entry(cfg), f"stages[{self.index}]"
-        return [
-            ActorNeed(
-                cpus=entry.cpus_per_actor,
-                gpus=entry.gpus_per_actor,
-                cpus_field=f"{field}.cpus_per_actor",
-                gpus_field=f"{field}.gpus_per_actor",
-            )
-        ]
+        return [ActorNeed.of(self.entry(cfg), field=f"stages[{self.index}]")]
 
     def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
         """stage/<name>/rows, stage/<name>/call_s, and the stage's effect on each numeric column of its input that it
@@ -123,9 +116,7 @@ class UserStage(Stage):
         entry = self.entry(ctx.cfg)
         table = self.inputs[0]
         parts, counts = run_sharded(
-            input_dir=ctx.input_dirs[table],
-            input_manifest=ctx.inputs[table],
-            output_dir=ctx.output_dir,
+            ShardRun.of(ctx, table, description=self.name),
             worker_cls=UserStageWorker,
             worker_kwargs={
                 "stage": self.name,
@@ -135,12 +126,7 @@ class UserStage(Stage):
                 "outputs": list(entry.outputs),
                 "schema": self.schema,
             },
-            concurrency=entry.num_actors,
-            num_cpus=entry.cpus_per_actor,
-            num_gpus=entry.gpus_per_actor,
-            description=self.name,
-            progress_bars=ctx.cfg.tracking.progress_bars,
-            embedded_ray=ctx.embedded_ray,
+            actors=entry,
         )
         seconds = counts.pop("call_s", 0.0)
         effects = {key: counts.pop(key) for key in list(counts) if key.startswith(EFFECT)}

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchrl.config import PipelineConfig
-from batchrl.pipeline.shards import ShardWorker, run_sharded
+from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import POLICY, STAGE_PROVIDERS, ActorNeed, Stage, StageContext, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -47,14 +47,7 @@ class ValuesStage(Stage):
         return {"critic_model_path": cfg.critic.model_path, "seed": cfg.run.seed}
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
-        return [
-            ActorNeed(
-                cpus=cfg.critic.cpus_per_actor,
-                gpus=cfg.critic.gpus_per_actor,
-                cpus_field="critic.cpus_per_actor",
-                gpus_field="critic.gpus_per_actor",
-            )
-        ]
+        return [ActorNeed.of(cfg.critic, field="critic")]
 
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
         path = cfg.critic.model_path
@@ -64,9 +57,7 @@ class ValuesStage(Stage):
         critic = ctx.cfg.critic
         table = self.inputs[0]
         parts, counts = run_sharded(
-            input_dir=ctx.input_dirs[table],
-            input_manifest=ctx.inputs[table],
-            output_dir=ctx.output_dir,
+            ShardRun.of(ctx, table, description="values"),
             worker_cls=ValuesWorker,
             worker_kwargs={
                 "policy": ctx.policy_in,
@@ -75,12 +66,7 @@ class ValuesStage(Stage):
                 "cuda": critic.gpus_per_actor > 0,
                 "share_prompt": ctx.cfg.update.share_prompt,
             },
-            concurrency=critic.num_actors,
-            num_cpus=critic.cpus_per_actor,
-            num_gpus=critic.gpus_per_actor,
-            description="values",
-            progress_bars=ctx.cfg.tracking.progress_bars,
-            embedded_ray=ctx.embedded_ray,
+            actors=critic,
         )
         # critic/values/mean is the advantage stage's (over the tokens it trains on)
         return StageOutput(

