@@ -29,7 +29,7 @@ from batchrl.config.loader import apply_override
 from batchrl.pipeline.plan import PlannedStage, build_plan, check_from_stage
 from batchrl.pipeline.runner import Runner
 from batchrl.pipeline.summary import RunSummary
-from batchrl.stages.user import check_stage_calls, register_function
+from batchrl.stages.user import INSERTION_POINTS, check_stage_calls, register_function
 
 __all__ = [
     "Pipeline",
@@ -123,9 +123,9 @@ class Pipeline:
         user = [s["name"] for s in stages]
         if stage in user:  # after a user stage: in its chain, right behind it
             after, position = stages[user.index(stage)]["after"], user.index(stage) + 1
-        elif stage not in ("generate", "score", "advantage"):
+        elif stage not in INSERTION_POINTS:
             raise ConfigError(
-                f"insert_after({stage!r}): a stage goes after generate, score, advantage or a user stage ({user})"
+                f"insert_after({stage!r}): a stage goes after {', '.join(INSERTION_POINTS)} or a user stage ({user})"
             )
         else:  # after a built-in: behind the user stages already there
             after = stage

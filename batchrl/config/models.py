@@ -28,6 +28,7 @@ __all__ = [
     "DataConfig",
     "EvaluateConfig",
     "GenerateConfig",
+    "InsertionPoint",
     "ModelConfig",
     "PipelineConfig",
     "Placement",
@@ -50,6 +51,11 @@ RESERVED_STAGE_NAMES = frozenset(
 )
 
 
+# The built-in stages a user stage may follow: the one list of them. What each one's table is comes from the stage
+# registry (batchrl.stages.user), which config, a layer below the stages, cannot import.
+InsertionPoint = Literal["generate", "score", "advantage"]
+
+
 class UserStageConfig(ActorResources):
     """One user-defined stage: a function over one shard's table, inserted after a built-in stage."""
 
@@ -59,7 +65,7 @@ class UserStageConfig(ActorResources):
         description="Stage name (lower case, digits, _): in the plan, `--from-stage`, metrics (stage/<name>/...) and "
         "its table's directory, <iteration>/<name>/.",
     )
-    after: Literal["generate", "score", "advantage"] = Field(
+    after: InsertionPoint = Field(
         ...,
         description="The built-in stage it follows: it reads that stage's table (rollouts, scores, advantages) and "
         "the next stage reads its table instead. Stages with the same `after` run in the order listed, each "

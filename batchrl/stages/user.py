@@ -29,6 +29,7 @@ import logging
 import os
 import sysconfig
 import traceback
+import typing
 from collections.abc import Callable
 from inspect import Parameter
 from typing import Any
@@ -38,10 +39,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.config.models import UserStageConfig, fingerprint_dump
+from batchrl.config.models import InsertionPoint, UserStageConfig, fingerprint_dump
 from batchrl.errors import DataError, type_phrase
 from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
-from batchrl.pipeline.stage import STAGE_PROVIDERS, ActorNeed, Stage, StageContext, StageOutput
+from batchrl.pipeline.stage import STAGE_PROVIDERS, STAGES, ActorNeed, Stage, StageContext, StageOutput
 from batchrl.references import import_reference, source_digest
 from batchrl.storage.manifest import Manifest
 from batchrl.storage.schemas import load_schema
@@ -51,8 +52,8 @@ logger = logging.getLogger(__name__)
 # Functions given as objects (the Python API's insert_after), by the reference their stage's config names them with
 FUNCTIONS: dict[str, Callable[..., Any]] = {}
 
-# The table each insertion point follows, and its schema (data_schemas/<schema>.json)
-AFTER = {"generate": "rollouts", "score": "scores", "advantage": "advantages"}
+# The built-ins a user stage may follow (its `after:`), as the config declares them; their tables from the registry
+INSERTION_POINTS: tuple[str, ...] = typing.get_args(InsertionPoint)
 
 
 def register_function(function: Callable[..., Any]) -> str:
@@ -408,16 +409,16 @@ def user_stages(cfg: PipelineConfig) -> list[type[Stage]]:
     """One Stage class per ``stages:`` entry, in order: each reads the table of the stage before it (the built-in
     it follows, or the user stage listed before it with the same ``after``) and takes over the built-in's table."""
     classes: list[type[Stage]] = []
-    last = dict(AFTER)  # the table a new stage after each built-in reads
+    last = {point: STAGES[point].table for point in INSERTION_POINTS}  # the table a new stage after each one reads
     for index, entry in enumerate(cfg.stages):
-        followed = AFTER[entry.after]
+        followed = STAGES[entry.after].table
         cls = type(
             f"UserStage_{entry.name}",
             (UserStage,),
             {
                 "name": entry.name,
                 "table": entry.name,
-                "schema": followed,  # the table it follows: the same columns, plus its own
+                "schema": STAGES[entry.after].schema,  # the table it follows: the same columns, plus its own
                 "inputs": (last[entry.after],),
                 "takes_over": followed,
                 "timing_name": entry.name,

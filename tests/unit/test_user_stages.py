@@ -10,8 +10,14 @@ import batchrl.api  # noqa: F401  (registers the built-in stages and the user-st
 from batchrl.api import Pipeline
 from batchrl.config import ConfigError, validate_dict
 from batchrl.errors import DataError
-from batchrl.pipeline.stage import STAGES, source_table, stage_order, sync_stages
-from batchrl.stages.user import UserStageWorker, check_stage_calls, checked_output, register_function
+from batchrl.pipeline.stage import STAGES, is_sharded, source_table, stage_order, sync_stages
+from batchrl.stages.user import (
+    INSERTION_POINTS,
+    UserStageWorker,
+    check_stage_calls,
+    checked_output,
+    register_function,
+)
 from examples.prompt_shaping import shape_by_prompt_length
 from examples.safety_filter import SafetyFilter
 
@@ -71,6 +77,26 @@ def test_a_config_without_user_stages_leaves_only_the_built_ins():
 def test_a_bad_stage_entry_is_a_config_error_naming_the_field(change, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         config([SAFETY | change])
+
+
+def test_each_insertion_point_is_a_built_in_whose_table_a_stage_after_it_reads_and_takes_over():
+    sync_stages(config([SAFETY | {"name": f"after_{point}", "after": point} for point in INSERTION_POINTS]))
+    for point in INSERTION_POINTS:
+        built_in, inserted = STAGES[point], STAGES[f"after_{point}"]
+        assert is_sharded(built_in) and built_in.per_iteration and built_in.config_section is None
+        assert inserted.inputs == (built_in.table,) and inserted.schema == built_in.schema
+        assert inserted.takes_over == built_in.table
+
+
+def test_a_wrong_after_is_one_line_naming_the_field_and_the_insertion_points(tmp_path):
+    raw = {"name": "p", "model": {"path": "m"}, "data": {"train_files": ["d"]}}
+    result = cli("validate", write_yaml(tmp_path / "p.yaml", raw | {"stages": [SAFETY | {"after": "update"}]}))
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .endswith("stages.0.after: Input should be 'generate', 'score' or 'advantage' (got 'update')")
+    )
 
 
 def test_two_stages_of_one_name_are_a_config_error():
