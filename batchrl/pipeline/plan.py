@@ -27,6 +27,7 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.pipeline.lineage import Lineage, fresh_lineage, resolve_lineage, seen_fingerprint
@@ -76,25 +77,10 @@ class PlannedStage:
         return self.name if self.iteration is None else f"iter {self.iteration} {self.name}"
 
 
-def build_plan(
-    cfg: PipelineConfig,
-    *,
-    check_storage: bool = True,
-    lineage: Lineage | None = None,
-    from_stage: str | None = None,
-    from_iteration: int | None = None,
-    verify_checksums: bool = False,
-) -> list[PlannedStage]:
-    """Every step of the run in order, with fingerprints and (when check_storage) completion status."""
-    plan = Plan(
-        cfg,
-        check_storage=check_storage,
-        lineage=lineage,
-        from_stage=from_stage,
-        from_iteration=from_iteration,
-        verify_checksums=verify_checksums,
-    )
-    return plan.steps
+def build_plan(cfg: PipelineConfig, **options: Any) -> list[PlannedStage]:
+    """Every step of the run in order, with fingerprints and (unless check_storage=False) completion status: the
+    steps of `Plan` (whose keywords ``options`` are)."""
+    return Plan(cfg, **options).steps
 
 
 def with_iterations(cfg: PipelineConfig, iterations: int) -> PipelineConfig:
@@ -229,9 +215,9 @@ class _Chain:
         behaviour: tuple[str, str],
     ) -> PlannedStage:
         policy_in, policy_in_fp = previous
-        if stage.reads_new_policy and iteration is not None:
+        if stage.reads_policy == "new" and iteration is not None:
             policy_in, policy_in_fp = self.tables[POLICY]
-        elif stage.reads_behaviour_policy:
+        elif stage.reads_policy == "behaviour":
             policy_in, policy_in_fp = behaviour
         sources = {t: self.tables[source_table(t, stage.name)] for t in stage.inputs if t != POLICY}
         upstream = [policy_in_fp if t == POLICY else sources[t][1] for t in stage.inputs]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from batchrl.config import PipelineConfig
 from batchrl.config.models import ActorResources, DataConfig
@@ -36,10 +36,11 @@ class StageContext:
     fingerprint: str
     inputs: dict[str, Manifest]  # committed upstream manifests by table name ("prompts", "rollouts", ...)
     input_dirs: dict[str, str]
-    policy_in: str  # policy this iteration starts from: model.path or the previous iteration's policy dir
+    policy_in: str  # the policy the stage reads (`Stage.reads_policy`): model.path or an iteration's policy dir
     embedded_ray: bool = False  # the Ray in use is one the runner started on this machine (not a cluster)
-    # the policy that generated this iteration's rollouts: policy_in in strict order; with run.max_staleness k,
-    # iteration i-1-k's (`RunConfig.behaviour_version`). A stage that reads_behaviour_policy has it as policy_in.
+    # the policy that generated this iteration's rollouts (what reads_policy "behaviour" reads): the update compares
+    # against it when it trains policy_in, the "previous" one; the same in strict order, with run.max_staleness k
+    # iteration i-1-k's (`RunConfig.behaviour_version`)
     behaviour_policy: str | None = None
     # the GPUs the update's local ranks take when the session split one GPU host between them and the engines
     # (run.max_staleness; `batchrl.pipeline.session`); None: the environment's
@@ -94,11 +95,12 @@ class Stage:
     schema: ClassVar[str | None]  # data_schemas/<schema>.json of the output table (None: not a table)
     inputs: ClassVar[tuple[str, ...]] = ()  # upstream tables; POLICY = the iteration's input policy
     per_iteration: ClassVar[bool] = True  # False: runs once, before iteration 0 (ingest)
-    # True: at iteration i its POLICY input is the policy iteration i wrote, not the one it started from (evaluate)
-    reads_new_policy: ClassVar[bool] = False
-    # True: its POLICY input is the policy that generates the iteration's rollouts (generate, values): with
-    # run.max_staleness k, iteration i-1-k's, so that it can run while iteration i-1's update trains
-    reads_behaviour_policy: ClassVar[bool] = False
+    # Which policy its POLICY input is at iteration i (the plan resolves it into StageContext.policy_in):
+    # "previous": the one iteration i starts from, i-1's (the update trains it);
+    # "behaviour": the one that generates iteration i's rollouts: with run.max_staleness k iteration i-1-k's, so
+    #   that the stage can run while iteration i-1's update trains (generate, values);
+    # "new": the one iteration i wrote (evaluate). Before iteration 0 all three are the initial policy.
+    reads_policy: ClassVar[Literal["previous", "behaviour", "new"]] = "previous"
     # True: it reads data.train_files, which an incremental run (run.new_files_only) narrows to the new files
     reads_train_files: ClassVar[bool] = False
     # True: a table-writing stage that resumes from its journal (storage.journal): the runner keeps its files when
@@ -201,7 +203,7 @@ def unregister(name: str) -> None:
 
 def stage_order() -> list[str]:
     """Stage names in run order, derived from what each reads: a stage after every stage whose table it reads (with
-    ``reads_new_policy``, after the stage that writes the policy too). Among stages free to run: once-per-run stages
+    ``reads_policy`` "new", after the stage that writes the policy too). Among stages free to run: once-per-run stages
     first, then a stage whose table another reads before one whose table none does (a report or an evaluation waits
     behind the training line), then by name. So the order is a function of the declarations alone, the same
     whatever order modules are imported (registered) in.
@@ -233,7 +235,8 @@ def source_table(table: str, reader: str) -> str:
 
 def _writers_read_by(cls: type[Stage], writers: dict[str, str]) -> set[str]:
     """The stages whose output ``cls`` reads within an iteration (the policy it starts from is the last one's)."""
-    tables = [source_table(t, cls.name) for t in cls.inputs if t != POLICY] + ([POLICY] if cls.reads_new_policy else [])
+    tables = [source_table(t, cls.name) for t in cls.inputs if t != POLICY]
+    tables += [POLICY] if cls.reads_policy == "new" else []  # the same iteration's update: it runs after it
     missing = [t for t in tables if t not in writers]
     if missing:
         raise AssertionError(f"stage {cls.name!r} reads {missing}, which no registered stage writes")

@@ -61,7 +61,7 @@ class EvaluateStage(Stage):
     table = "evaluation"
     schema = "evaluations"
     inputs = ("policy",)  # the policy EVALUATED: the initial one (iteration None) or iteration i's output
-    reads_new_policy = True  # at iteration i, "policy" is what iteration i's update wrote (not what it started from)
+    reads_policy = "new"  # at iteration i, "policy" is what iteration i's update wrote (not what it started from)
     config_section = "evaluate"
     timing_name = "eval"
     in_step_time = False

@@ -301,7 +301,7 @@ class GenerateStage(Stage):
     schema = "rollouts"
     inputs = ("prompts", "policy")
     timing_name = "gen"
-    reads_behaviour_policy = True  # with run.max_staleness, an older policy, while the previous update trains
+    reads_policy = "behaviour"  # with run.max_staleness, an older policy, while the previous update trains
 
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
         return [("model.path", cfg.model.path)]  # the initial policy

@@ -38,7 +38,7 @@ class ValuesStage(Stage):
     table = "values"
     schema = "values"
     inputs: tuple[str, ...] = ("scores", POLICY)  # the first: set to the table it reads by `values_stages`
-    reads_behaviour_policy = True  # the critic of the policy that generated the rollouts
+    reads_policy = "behaviour"  # the critic of the policy that generated the rollouts
     config_section = "critic"
     timing_name = "values"
 

@@ -23,7 +23,7 @@ def make(name: str, table: str, inputs: tuple[str, ...] = (), *, once: bool = Fa
             "schema": None,
             "inputs": inputs,
             "per_iteration": not once,
-            "reads_new_policy": new_policy,
+            "reads_policy": "new" if new_policy else "previous",
         },
     )
 
