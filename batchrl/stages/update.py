@@ -23,6 +23,8 @@ sha256 in the manifest's ``trainer_state`` instead, which nothing checks for dam
 state only if every file hashes as recorded (loading unpickles it, see `batchrl.trainer.integrity`), and stops
 with a data error, never a silent restart from zero moments, when a state it needs is gone. A state recorded
 without checksums (by an earlier batchrl) is a data error too, unless update.allow_unverified_trainer_state.
+Reading those records, the errors and the pruning are the trainer's (`batchrl.trainer.state_store`); the stage
+calls them with its context.
 
 The reference policy of the KL loss is the run's initial policy (``model.path``). Optimizer states older
 than ``update.keep_last_k_optimizer_states`` are deleted when an update starts (never the HF policies):
@@ -38,23 +40,21 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.config.models import UpdateConfig, fingerprint_dump
-from batchrl.errors import DataError
+from batchrl.config.models import UpdateConfig
+from batchrl.pipeline.devices import RANK_DEVICES_ENV, needs_split, overlap_gpu_split, visible_gpus
 from batchrl.pipeline.shards import verify_parts
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
-from batchrl.storage import is_local, join, local_copy, resolve, upload_file
-from batchrl.storage.manifest import Manifest, PartInfo, file_sizes, read_manifest
+from batchrl.storage import join, local_copy, upload_file
+from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.tracking.progress import ProgressBar, progress
+from batchrl.trainer.state_store import TRAINER_STATE_DIR, RecordedState, TrainerStateStore, local_trainer_state
 
 logger = logging.getLogger(__name__)
 
-TRAINER_STATE_DIR = "_trainer_state"
-TRAINER_STATE_FILE = "trainer_state.json"  # as batchrl.trainer.checkpoint writes it (not imported: torch)
 LOGPROBS_DIR = "_logprobs"
 
 
@@ -80,10 +80,13 @@ class UpdateStage(Stage):
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         cluster = cfg.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
-        check_rank_devices(cfg.update, cluster=cluster)  # the split beside the engines: the session's check_devices
+        check_rank_devices(cfg.update, cluster=cluster)
+        if needs_split(cfg, local_launcher=_local_ranks(cfg.update, cluster=cluster)):
+            overlap_gpu_split(cfg, visible_gpus())  # the engines and the ranks each get GPUs of their own, or exit 2
 
     def check_ready(self, ctx: StageContext) -> None:
-        _recorded_trainer_state(ctx)  # a state it cannot continue stops the run before its old output is cleared
+        # a state it cannot continue stops the run before its old output is cleared
+        _trainer_states(ctx).recorded(iteration=ctx.iteration, policy_in=ctx.policy_in)
 
     @classmethod
     def close(cls) -> None:
@@ -93,8 +96,11 @@ class UpdateStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         u = cfg.update
+        # Where and how the ranks run, and how long they may take, do not change what they compute.
+        placement = {"timeout_s", "trainer_lifetime", "launcher", "cpus_per_rank"}
+        trust = {"allow_unverified_trainer_state"}  # nor does whether a state without checksums may be loaded
         config = {
-            "update": fingerprint_dump(u),  # keep_last_k_optimizer_states is placement, whether any is saved is not
+            "update": u.model_dump(exclude=placement | trust | {"keep_last_k_optimizer_states", "share_prompt"}),
             "saves_optimizer_state": u.keep_last_k_optimizer_states != 0,
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
@@ -116,9 +122,10 @@ class UpdateStage(Stage):
         resident = ctx.cfg.update.trainer_lifetime == "run" and not on_ray
         if not resident:
             shutdown_trainers()  # ranks left resident by an earlier configuration in this process
-        state = _recorded_trainer_state(ctx)
-        _log_trainer_state(ctx, state)
-        _prune_trainer_states(ctx)  # after the check: a refused update deletes nothing its redo would need
+        store = _trainer_states(ctx)
+        state = store.recorded(iteration=ctx.iteration, policy_in=ctx.policy_in)
+        store.log_recorded(state, iteration=ctx.iteration, policy_in=ctx.policy_in)
+        store.prune(ctx.iteration)  # after the check: a refused update deletes nothing its redo would need
         try:
             if sum(part.rows for part in ctx.inputs["advantages"].parts) == 0:
                 return _carry_policy_forward(ctx, state)
@@ -127,7 +134,7 @@ class UpdateStage(Stage):
             output = _run_on_ray(ctx, state) if on_ray else _run_locally(ctx, state, resident=resident)
             return _with_recomputed_count(output, ctx.inputs["advantages"])
         except TrainerStateError as error:  # refused before anything was loaded from it
-            raise _unusable_state(ctx, state.uri, error.name, error.reason) from None
+            raise store.unusable(state.uri, error.name, error.reason, iteration=ctx.iteration) from None
 
 
 def _with_recomputed_count(output: StageOutput, advantages: Manifest) -> StageOutput:
@@ -138,14 +145,6 @@ def _with_recomputed_count(output: StageOutput, advantages: Manifest) -> StageOu
         return output
     stats = dict(output.stats) | {"actor/recomputed_logprobs_samples": float(missing)}
     return dataclasses.replace(output, counts={**output.counts, "logprobs_recomputed": missing}, stats=stats)
-
-
-@dataclass(frozen=True)
-class RecordedState:
-    """The optimizer state saved with an update's input policy, as the policy's manifest records it."""
-
-    uri: str  # the input policy's _trainer_state/ in the run directory
-    sha256: dict[str, str] | None  # relative path -> sha256 recorded by its writer; None: not recorded (older batchrl)
 
 
 def _run_locally(ctx: StageContext, state: RecordedState | None, *, resident: bool) -> StageOutput:
@@ -203,7 +202,7 @@ def _carry_policy_forward(ctx: StageContext, state: RecordedState | None) -> Sta
         parts = _publish_dir(policy, ctx.output_dir, prefix="")
         state_files = []
         if state is not None:
-            source = _local_trainer_state(state, scratch)
+            source = local_trainer_state(state, scratch)
             if state.sha256 is not None:
                 verify_dir(source, state.sha256)
             copied = Path(scratch) / "trainer_state_out"
@@ -357,7 +356,7 @@ def _local_spec(ctx: StageContext, scratch: str, state: RecordedState | None):
         reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
         behaviour_policy=None if behaviour is None else local_copy(behaviour),
         advantages_files=_advantages_files(ctx),
-        trainer_state_in=None if state is None else _local_trainer_state(state, scratch),
+        trainer_state_in=None if state is None else local_trainer_state(state, scratch),
         trainer_state_sha256=None if state is None else state.sha256,
         policy_out=str(Path(scratch) / "policy"),
         out_dir=scratch,
@@ -402,7 +401,7 @@ def _spec(
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_dir=join(out_dir, LOGPROBS_DIR),
         threads_per_rank=max(1, int(u.cpus_per_rank)) if cfg.run.max_staleness else None,
-        cuda_devices=ctx.rank_devices,  # overlapped on one GPU host: the session's split
+        cuda_devices=os.environ.get(RANK_DEVICES_ENV),  # overlapped on one GPU host: the runner's split
         critic=cfg.critic,
         train_actor=cfg.critic is None or (ctx.iteration or 0) >= cfg.critic.warmup_iterations,
         critic_head_seed=cfg.run.seed,
@@ -411,7 +410,7 @@ def _spec(
 
 def critic_fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
     """What of the critic section determines the critic an update trains (its values actors do not)."""
-    return fingerprint_dump(cfg.critic) | {"seed": cfg.run.seed}
+    return cfg.critic.model_dump(exclude={"num_actors", "cpus_per_actor", "gpus_per_actor"}) | {"seed": cfg.run.seed}
 
 
 def _behaviour_policy(ctx: StageContext) -> str | None:
@@ -437,158 +436,9 @@ def _norm_length(cfg: PipelineConfig) -> int | None:
     return cfg.update.loss_agg_norm_length or cfg.generate.max_new_tokens
 
 
-def _recorded_trainer_state(ctx: StageContext) -> RecordedState | None:
-    """The optimizer state saved with this iteration's input policy, for the update to continue from (iterations > 0).
-    Reads the manifest and lists the state's files, nothing else: the runner asks it before it clears the update's
-    output directory (`check_ready`), and the update again when it starts.
-
-    None where the update starts from fresh moments by design: iteration 0 (model.path, or a warm start from another
-    run's policy: `run.init_from` carries weights, not optimizer state), update.keep_last_k_optimizer_states 0, or an
-    input policy whose update saved no state (it had no rows to train on). A state the manifest records but that is
-    gone, or whose files have another size, is a DataError: restarting AdamW from zero moments would silently train
-    differently."""
-    if not ctx.iteration or ctx.cfg.update.keep_last_k_optimizer_states == 0:
-        return None
-    uri = join(ctx.policy_in, TRAINER_STATE_DIR)
-    manifest = read_manifest(ctx.policy_in)
-    if manifest is None:
-        raise DataError(
-            f"the input policy {ctx.policy_in} of iteration {ctx.iteration}'s update has no manifest; "
-            f"redo it: batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update "
-            f"--iteration {ctx.iteration - 1}"
-        )
-    if manifest.trainer_state == []:
-        return None
-    problem = _state_problem(uri, manifest.trainer_state)
-    if problem is not None:
-        raise _unusable_state(ctx, uri, *problem)
-    if manifest.trainer_state is None:
-        if not ctx.cfg.update.allow_unverified_trainer_state:
-            raise _unverifiable_state(ctx, uri)
-        return RecordedState(uri=uri, sha256=None)
-    return RecordedState(uri=uri, sha256={_state_name(p): p.sha256 for p in manifest.trainer_state})
-
-
-def _log_trainer_state(ctx: StageContext, state: RecordedState | None) -> None:
-    """Says when an update restarts AdamW after one that saved no state, or continues a state it cannot verify."""
-    if state is None and ctx.iteration and ctx.cfg.update.keep_last_k_optimizer_states != 0:
-        logger.info(
-            "iteration %d: the update of %s saved no optimizer state (nothing to train on); AdamW starts "
-            "from zero moments",
-            ctx.iteration,
-            ctx.policy_in,
-        )
-    elif state is not None and state.sha256 is None:
-        logger.warning(
-            "iteration %d: %s records no checksums of its optimizer state (written by an earlier batchrl): "
-            "it is loaded unverified (update.allow_unverified_trainer_state)",
-            ctx.iteration,
-            ctx.policy_in,
-        )
-
-
-def _state_name(part: PartInfo) -> str:
-    """A trainer-state file's path under _trainer_state/ (the manifest names it from the policy directory)."""
-    return part.name.removeprefix(f"{TRAINER_STATE_DIR}/")
-
-
-def _state_problem(uri: str, recorded: list[PartInfo] | None) -> tuple[str, str] | None:
-    """(file, what is wrong with it) for the first recorded file under ``uri`` that is missing or has another size
-    (one listing; sha256 is checked where the files are loaded). Without a record (older manifests), only
-    trainer_state.json is looked for."""
-    sizes = file_sizes(uri)
-    if recorded is None:
-        return None if TRAINER_STATE_FILE in sizes else (TRAINER_STATE_FILE, "missing")
-    for part in sorted(recorded, key=lambda p: p.name):
-        name = _state_name(part)
-        if name not in sizes:
-            return name, "missing"
-        if sizes[name] != part.num_bytes:
-            return name, (
-                f"{sizes[name]} bytes, not the {part.num_bytes} recorded when it was written (modified or "
-                "corrupted since)"
-            )
-    return None
-
-
-def _unusable_state(ctx: StageContext, uri: str, name: str, reason: str) -> DataError:
-    """The data error for an optimizer state that cannot be restored, with the command that redoes the updates
-    from the last one whose input state is intact."""
-    redo = (
-        f"batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update --iteration {_first_update_to_redo(ctx)}"
-    )
-    if reason == "missing":
-        return DataError(
-            f"iteration {ctx.iteration}'s update continues the optimizer state saved with its input policy, but "
-            f"{join(uri, name)} is gone (deleted by update.keep_last_k_optimizer_states, or by hand). Restarting "
-            f"AdamW from zero moments would silently train differently, so nothing was run. Redo the updates from the "
-            f"last one whose input state exists: {redo} (a higher keep_last_k_optimizer_states, or null, keeps more)"
-        )
-    return DataError(
-        f"{join(uri, name)}: {reason}. Iteration {ctx.iteration}'s update did not load it: loading an optimizer state "
-        f"unpickles it, so a file changed after it was written could run code in the trainer. If the run directory "
-        f"is trusted, redo the updates from the last one whose input state is intact: {redo}"
-    )
-
-
-def _unverifiable_state(ctx: StageContext, uri: str) -> DataError:
-    """The data error for an optimizer state whose writer recorded no checksums, when loading one unverified is not
-    allowed: how to allow it, or the command that redoes the updates from the last one whose input state is
-    verifiable."""
-    redo = (
-        f"batchrl run <pipeline> --run-id {ctx.cfg.run_id} --from-stage update --iteration {_first_update_to_redo(ctx)}"
-    )
-    return DataError(
-        f"iteration {ctx.iteration}'s update continues the optimizer state {uri}, whose policy manifest records no "
-        f"sha256 of its files (written by an earlier batchrl), so nothing can tell whether they changed since; "
-        f"loading an optimizer state unpickles it, and a changed file could run code in the trainer, so nothing was "
-        f"run. If only trusted people can write the run directory, allow it: set "
-        f"update.allow_unverified_trainer_state: true (or --set update.allow_unverified_trainer_state=true). "
-        f"Otherwise redo the updates from the last one whose input state is verifiable: {redo}"
-    )
-
-
-def _first_update_to_redo(ctx: StageContext) -> int:
-    """The earliest iteration from which the updates can be redone in order: the one after the newest earlier
-    policy whose optimizer state is intact and, unless update.allow_unverified_trainer_state, recorded with its
-    checksums (or that saved none), else 0 (which needs no state)."""
-    for earlier in range(ctx.iteration - 2, -1, -1):
-        policy_dir = ctx.layout.table_dir("policy", earlier)
-        manifest = read_manifest(policy_dir)
-        if manifest is None or (manifest.trainer_state is None and not ctx.cfg.update.allow_unverified_trainer_state):
-            continue
-        if (
-            manifest.trainer_state == []
-            or _state_problem(join(policy_dir, TRAINER_STATE_DIR), manifest.trainer_state) is None
-        ):
-            return earlier + 1
-    return 0
-
-
-def _local_trainer_state(state: RecordedState, scratch: str) -> str:
-    """A local directory with the state's files: the run's own when local, else a download into ``scratch``."""
-    if is_local(state.uri):
-        return state.uri.removeprefix("file://")
-    fs, path = resolve(state.uri)
-    target = Path(scratch) / "trainer_state_in"
-    for remote in fs.find(path):
-        local = target / remote[len(path.rstrip("/")) + 1 :]
-        local.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(remote, str(local))
-    return str(target)
-
-
-def _prune_trainer_states(ctx: StageContext) -> None:
-    """Delete optimizer states of iterations before the K most recent completed ones (never policies)."""
-    keep = ctx.cfg.update.keep_last_k_optimizer_states
-    if keep is None or not ctx.iteration:
-        return
-    for old_iteration in range(0, ctx.iteration - max(keep, 1)):
-        uri = join(ctx.layout.table_dir("policy", old_iteration), TRAINER_STATE_DIR)
-        fs, path = resolve(uri)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-            logger.info("deleted the optimizer state of iteration %d (%s)", old_iteration, uri)
+def _trainer_states(ctx: StageContext) -> TrainerStateStore:
+    """The run's optimizer states (which one this update continues, pruning), read with the run's config."""
+    return TrainerStateStore(ctx.cfg, ctx.layout)
 
 
 def _publish_dir(local_dir: Path, output_dir: str, *, prefix: str) -> list[PartInfo]:

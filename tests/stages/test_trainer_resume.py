@@ -258,6 +258,17 @@ def stage_context(tmp_path: Path, *, iteration: int, keep: int | None, **update)
     )
 
 
+def store(ctx):
+    from batchrl.trainer.state_store import TrainerStateStore
+
+    return TrainerStateStore(ctx.cfg, ctx.layout)
+
+
+def recorded_state(ctx):
+    """The optimizer state the update of ``ctx`` continues, as the update reads it."""
+    return store(ctx).recorded(iteration=ctx.iteration, policy_in=ctx.policy_in)
+
+
 def committed_policy(policy_dir: Path, *, state: bool | None = True) -> None:
     """A policy as its update commits it: weights, and (state=True) an optimizer state whose files its manifest
     records with their sha256; state=False: the update saved none; None: a manifest of an older batchrl (no record)."""
@@ -292,26 +303,23 @@ def committed_policy(policy_dir: Path, *, state: bool | None = True) -> None:
 
 @pytest.mark.parametrize("keep, kept", [(1, [2]), (2, [1, 2]), (None, [0, 1, 2])])
 def test_an_update_deletes_optimizer_states_older_than_the_last_k_but_never_policies(tmp_path, keep, kept):
-    from batchrl.stages.update import _prune_trainer_states, _recorded_trainer_state
-
     ctx = stage_context(tmp_path, iteration=3, keep=keep)
     for iteration in range(3):
         committed_policy(Path(ctx.layout.table_dir("policy", iteration)))
 
-    _prune_trainer_states(ctx)
+    store(ctx).prune(ctx.iteration)
 
     states = [i for i in range(3) if Path(ctx.layout.table_dir("policy", i), "_trainer_state").exists()]
     assert states == kept  # the state this update resumes from (iteration 2) always survives
     assert all(Path(ctx.layout.table_dir("policy", i), "model.safetensors").exists() for i in range(3))
-    state = _recorded_trainer_state(ctx)
+    state = recorded_state(ctx)
     assert state.uri == str(Path(ctx.policy_in) / "_trainer_state")
     assert state.sha256 == recorded_digests(Path(state.uri))
-    assert _recorded_trainer_state(stage_context(tmp_path, iteration=0, keep=keep)) is None
+    assert recorded_state(stage_context(tmp_path, iteration=0, keep=keep)) is None
 
 
 def test_an_update_whose_optimizer_state_is_gone_stops_with_the_iteration_to_redo_the_updates_from(tmp_path):
     from batchrl.errors import DataError
-    from batchrl.stages.update import _recorded_trainer_state
 
     ctx = stage_context(tmp_path, iteration=3, keep=1)
     for iteration in range(3):
@@ -323,25 +331,23 @@ def test_an_update_whose_optimizer_state_is_gone_stops_with_the_iteration_to_red
         match=r"iter_0002/policy/_trainer_state/optimizer/__0_0.distcp is gone.*"
         r"--from-stage update --iteration 2 ",
     ):
-        _recorded_trainer_state(ctx)  # iteration 1's state is intact: updates 2 and 3 can be redone from it
+        recorded_state(ctx)  # iteration 1's state is intact: updates 2 and 3 can be redone from it
     shutil.rmtree(Path(ctx.layout.table_dir("policy", 1), "_trainer_state"))
     with pytest.raises(DataError, match=r"--from-stage update --iteration 0 "):
-        _recorded_trainer_state(ctx)  # none left: iteration 0's update is the first that needs none
+        recorded_state(ctx)  # none left: iteration 0's update is the first that needs none
 
 
 def test_an_update_restarts_adam_only_after_an_update_that_saved_no_state(tmp_path):
-    from batchrl.stages.update import _recorded_trainer_state
-
     ctx = stage_context(tmp_path, iteration=1, keep=1)
     committed_policy(Path(ctx.policy_in), state=False)  # iteration 0 had nothing to train on
-    assert _recorded_trainer_state(ctx) is None
+    assert recorded_state(ctx) is None
 
 
 def test_an_optimizer_state_recorded_without_checksums_is_refused_unless_unverified_states_are_allowed(
     tmp_path, caplog
 ):
     from batchrl.errors import DataError
-    from batchrl.stages.update import UpdateStage, _log_trainer_state, _recorded_trainer_state
+    from batchrl.stages.update import UpdateStage
 
     for iteration in range(2):
         committed_policy(Path(stage_context(tmp_path, iteration=iteration, keep=None).output_dir), state=None)
@@ -354,8 +360,8 @@ def test_an_optimizer_state_recorded_without_checksums_is_refused_unless_unverif
         UpdateStage().check_ready(ctx)  # iteration 0's state has no checksums either: only update 0 needs none
 
     allowed = stage_context(tmp_path, iteration=2, keep=None, allow_unverified_trainer_state=True)
-    state = _recorded_trainer_state(allowed)
-    _log_trainer_state(allowed, state)
+    state = recorded_state(allowed)
+    store(allowed).log_recorded(state, iteration=allowed.iteration, policy_in=allowed.policy_in)
     assert state.sha256 is None and "loaded unverified" in caplog.text
     fingerprint = UpdateStage().fingerprint_config
     assert fingerprint(allowed.cfg) == fingerprint(ctx.cfg)  # allowing it redoes nothing
