@@ -44,8 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.config.models import UpdateConfig
-from batchrl.pipeline.devices import RANK_DEVICES_ENV, needs_split, overlap_gpu_split, visible_gpus
+from batchrl.config.models import UpdateConfig, fingerprint_dump
 from batchrl.pipeline.shards import verify_parts
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import join, local_copy, upload_file
@@ -80,9 +79,7 @@ class UpdateStage(Stage):
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         cluster = cfg.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
-        check_rank_devices(cfg.update, cluster=cluster)
-        if needs_split(cfg, local_launcher=_local_ranks(cfg.update, cluster=cluster)):
-            overlap_gpu_split(cfg, visible_gpus())  # the engines and the ranks each get GPUs of their own, or exit 2
+        check_rank_devices(cfg.update, cluster=cluster)  # the split beside the engines: the session's check_devices
 
     def check_ready(self, ctx: StageContext) -> None:
         # a state it cannot continue stops the run before its old output is cleared
@@ -96,11 +93,8 @@ class UpdateStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         u = cfg.update
-        # Where and how the ranks run, and how long they may take, do not change what they compute.
-        placement = {"timeout_s", "trainer_lifetime", "launcher", "cpus_per_rank"}
-        trust = {"allow_unverified_trainer_state"}  # nor does whether a state without checksums may be loaded
         config = {
-            "update": u.model_dump(exclude=placement | trust | {"keep_last_k_optimizer_states", "share_prompt"}),
+            "update": fingerprint_dump(u),  # keep_last_k_optimizer_states is placement, whether any is saved is not
             "saves_optimizer_state": u.keep_last_k_optimizer_states != 0,
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
@@ -401,7 +395,7 @@ def _spec(
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,
         logprobs_dir=join(out_dir, LOGPROBS_DIR),
         threads_per_rank=max(1, int(u.cpus_per_rank)) if cfg.run.max_staleness else None,
-        cuda_devices=os.environ.get(RANK_DEVICES_ENV),  # overlapped on one GPU host: the runner's split
+        cuda_devices=ctx.rank_devices,  # overlapped on one GPU host: the session's split
         critic=cfg.critic,
         train_actor=cfg.critic is None or (ctx.iteration or 0) >= cfg.critic.warmup_iterations,
         critic_head_seed=cfg.run.seed,
@@ -410,7 +404,7 @@ def _spec(
 
 def critic_fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
     """What of the critic section determines the critic an update trains (its values actors do not)."""
-    return cfg.critic.model_dump(exclude={"num_actors", "cpus_per_actor", "gpus_per_actor"}) | {"seed": cfg.run.seed}
+    return fingerprint_dump(cfg.critic) | {"seed": cfg.run.seed}
 
 
 def _behaviour_policy(ctx: StageContext) -> str | None:
