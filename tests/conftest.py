@@ -48,7 +48,7 @@ def toy_prompts_dir(toy_assets_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray of 2 CPUs for one test module, whose workers can import tests/stages (the custom rewards); the
-    Ray this process is already connected to when there is one. Engines a test left in the run-wide pool go first."""
+    Ray this process is already connected to when there is one."""
     import os
 
     import ray
@@ -67,13 +67,18 @@ def ray_session():
     try:
         yield
     finally:
-        from batchrl.stages.generate import EnginePool
-
-        pool, EnginePool._current = EnginePool._current, None  # a pool of an earlier session is gone with it
-        with contextlib.suppress(Exception):
-            if pool is not None:
-                pool.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture
+def engine_pool(ray_session):
+    """The generation engines a test's stages share (`StageContext.engines`), as a run's session owns them: shut
+    down when the test ends."""
+    from batchrl.engines.pool import EnginePool
+
+    pool = EnginePool()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

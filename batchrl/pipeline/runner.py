@@ -100,6 +100,7 @@ class Runner:
                     with deferred():  # a SIGTERM must not cut it short (see interrupts)
                         for stage in reversed(self.stages.values()):
                             stage.close()  # e.g. resident update ranks (update.trainer_lifetime: run)
+                        self.session.engines.close()  # the engines generate and evaluate shared
         return self.summary
 
     def _run_stages(self, records: IterationRecords) -> None:
@@ -159,6 +160,7 @@ class Runner:
             embedded_ray=self.session.embedded_ray,
             behaviour_policy=step.behaviour_policy,
             rank_devices=self.session.rank_devices,
+            engines=self.session.engines,
         )
         stage.check_ready(ctx)  # before anything of the step's old output is removed
         damaged = step.manifest if step.status == "damaged" else None

@@ -15,9 +15,10 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchrl.config import ConfigError, PipelineConfig
+from batchrl.engines.pool import EnginePool
 from batchrl.pipeline.devices import DeviceSplit, device_split
 from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.stage import Stage
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 class Session:
     embedded_ray: bool = False  # the Ray in use is one this session started on this machine (not a cluster)
     rank_devices: str | None = None  # the GPUs the update's local ranks take (the split); None: the environment's
+    # the run's generation engines, which generate and evaluate share (`StageContext.engines`); the runner closes
+    # them when the run ends, before this Ray does
+    engines: EnginePool = field(default_factory=EnginePool)
 
 
 def on_cluster(cfg: PipelineConfig) -> bool:

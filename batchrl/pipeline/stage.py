@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from batchrl.config import PipelineConfig
 from batchrl.config.models import ActorResources, DataConfig
+from batchrl.engines.pool import EnginePool
 from batchrl.storage import RunLayout
 from batchrl.storage.manifest import Manifest, PartInfo
 
@@ -45,6 +46,9 @@ class StageContext:
     # the GPUs the update's local ranks take when the session split one GPU host between them and the engines
     # (run.max_staleness; `batchrl.pipeline.session`); None: the environment's
     rank_devices: str | None = None
+    # the run's generation engines, shared by generate and evaluate, owned by the run's session (it closes them when
+    # the run ends); None outside a run (a stage that generates then refuses to run)
+    engines: EnginePool | None = None
 
 
 @dataclass

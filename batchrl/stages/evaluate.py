@@ -3,9 +3,9 @@
 Why a stage: "does reward go up" must be answered on prompts the run never trains on, with the same engines
 and rewards as training, and the answer must be a table one can inspect (which prompts flipped), not only a
 number. The stage ingests ``evaluate.files`` with the ingest stage's own code (same validation, chat template
-and tokenizer as training prompts), generates with the run's live engine pool (the generate stage's actors:
-no second engine is built, and evaluating the policy that the next iteration generates with costs no extra
-weight push), and scores with the score stage's workers and ``score`` config. Its manifest's ``stats`` hold
+and tokenizer as training prompts), generates with the run's engine pool (``StageContext.engines``, the generate
+stage's actors: no second engine is built, and evaluating the policy that the next iteration generates with costs
+no extra weight push), and scores with the score stage's workers and ``score`` config. Its manifest's ``stats`` hold
 the metrics; the evaluation table holds every response, reward and extracted answer.
 
 It runs for ``iteration=None`` on the initial policy (before iteration 0) and for iteration i on the policy
@@ -188,10 +188,12 @@ def max_new_tokens(cfg: PipelineConfig) -> int:
 
 def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifest) -> Manifest:
     """Greedy and sampled rollouts of every prompt part, as ``_rollouts/{greedy,sampled}-part-*.parquet``."""
-    from batchrl.stages.generate import ShardSettings
+    from batchrl.stages.generate import ShardSettings, engine_actors, generate_shards
 
     cfg, e = ctx.cfg, ctx.cfg.evaluate
-    pool = _engine_pool(cfg)
+    # Any live pool of this engine, whatever its size, else one of full size (generate.num_actors), not sized to the
+    # eval shards: the generate stage then finds these engines and reuses them instead of rebuilding them.
+    actors = engine_actors(ctx, num_actors=1, build_actors=cfg.generate.num_actors)
     modes = {
         "greedy": (1, {"temperature": 0.0, "top_p": 1.0}) if e.greedy else None,
         "sampled": (e.num_samples, {"temperature": e.temperature, "top_p": e.top_p}) if e.num_samples else None,
@@ -216,24 +218,10 @@ def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifes
             }
             for p in prompts.parts
         ]
-        for row in pool.run(jobs, settings, timeout_s=cfg.generate.shard_timeout_s, progress_bars=False):
+        for row in generate_shards(actors, jobs, settings, timeout_s=cfg.generate.shard_timeout_s, progress_bars=False):
             parts.append(part_info(row))
-    pool.end_stage(cfg.generate.engine_lifetime)
+    ctx.engines.end_stage(cfg.generate.engine_lifetime)
     return _manifest(sorted(parts, key=lambda p: p.name), schema="rollouts")
-
-
-def _engine_pool(cfg: PipelineConfig):
-    """The run's live engine pool when it holds this engine (whatever its size), else a new one of full size.
-
-    Full size (generate.num_actors), not sized to the eval shards: the generate stage then finds this pool
-    and reuses it instead of rebuilding its engines.
-    """
-    from batchrl.stages.generate import EnginePool, engine_spec
-
-    g = cfg.generate
-    return EnginePool.get(
-        engine_spec(cfg), num_actors=1, build_actors=g.num_actors, num_cpus=g.cpus_per_actor, num_gpus=g.gpus_per_actor
-    )
 
 
 def score_eval_rollouts(

@@ -1,7 +1,8 @@
 """generate: prompts -> rollouts, n samples per prompt from the iteration's input policy.
 
-Engines live in a pool of Ray actors that outlives the stage: built once per run (the expensive part:
-importing vLLM and starting the engine) and reused by every shard of every iteration. When a new policy
+Engines live in the run's pool of Ray actors (`batchrl.engines.pool`, owned by the run's session and passed in as
+``StageContext.engines``), which outlives the stage: built once per run (the expensive part: importing vLLM and
+starting the engine) and reused by every shard of every iteration, and by the evaluate stage. When a new policy
 arrives, each actor pushes the checkpoint's weights into its live engine in place (vLLM
 ``reload_weights``; ~0.01-0.03 s on the toy model) instead of rebuilding it, and rebuilds only when the
 engine cannot take the push. This is a departure from a Ray Data actor pool, whose actors live for one
@@ -212,86 +213,53 @@ def summarize_rollouts(table: pa.Table) -> dict[str, float]:
     }
 
 
-class EnginePool:
-    """Ray actors holding engines, kept for the whole Ray session and reused across iterations."""
+def engine_actors(ctx: StageContext, *, num_actors: int, build_actors: int | None = None) -> list[Any]:
+    """The actors of the run's engine pool (`StageContext.engines`, owned by the run's session) holding the engine
+    of ``ctx.cfg``: the live ones when there are at least ``num_actors``, else ``build_actors`` (default
+    ``num_actors``) new ones (see `EnginePool.acquire`)."""
+    if ctx.engines is None:
+        raise AssertionError("generation needs the run's engine pool: StageContext.engines (the runner passes it)")
+    g = ctx.cfg.generate
+    # A shard is run again after its engine died or was killed at its deadline (run_with_deadlines), a bounded
+    # number of times; the actor is restarted as often as that takes.
+    retries = task_retries(timeout_retries=SHARD_TIMEOUT_RETRIES, death_retries=ENGINE_DEATH_RETRIES)
+    return ctx.engines.acquire(
+        GenerateWorker,
+        engine_spec(ctx.cfg),
+        num_actors=num_actors,
+        build_actors=build_actors,
+        num_cpus=g.cpus_per_actor,
+        num_gpus=g.gpus_per_actor,
+        max_task_retries=retries,
+    )
 
-    _current: EnginePool | None = None
 
-    def __init__(self, spec: EngineSpec, *, num_actors: int, num_cpus: float, num_gpus: float):
-        import ray
+def generate_shards(
+    actors: list[Any],
+    jobs: list[dict[str, str]],
+    settings: ShardSettings,
+    *,
+    timeout_s: float | None,
+    progress_bars: bool,
+    stats: DeadlineStats | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Each shard's result as it finishes, generated on ``actors`` (`engine_actors`); a shard past ``timeout_s``
+    (generate.shard_timeout_s) kills its engine's actor, which Ray rebuilds, and is retried once, then the run stops
+    (ShardTimeout, exit 1)."""
+    from batchrl.tracking.progress import progress
 
-        # A shard is run again after its engine died or was killed at its deadline (run_with_deadlines), a bounded
-        # number of times; the actor is restarted as often as that takes.
-        retries = task_retries(timeout_retries=SHARD_TIMEOUT_RETRIES, death_retries=ENGINE_DEATH_RETRIES)
-        actor_cls = ray.remote(max_restarts=-1, max_task_retries=retries)(GenerateWorker)
-        options = {"num_cpus": num_cpus} | ({"num_gpus": num_gpus} if num_gpus else {})
-        self.key = (spec, num_cpus, num_gpus, ray.get_runtime_context().get_job_id())
-        self.actors = [actor_cls.options(**options).remote(spec) for _ in range(num_actors)]
-
-    @classmethod
-    def get(
-        cls, spec: EngineSpec, *, num_actors: int, num_cpus: float, num_gpus: float, build_actors: int | None = None
-    ) -> EnginePool:
-        """The live pool when it holds the same engine in this Ray session with at least `num_actors` actors (a
-        resumed iteration with fewer shards to do reuses the engines); else a new one of `build_actors`
-        (default `num_actors`) actors, after shutting down a live one of this session."""
-        import ray
-
-        key = (spec, num_cpus, num_gpus, ray.get_runtime_context().get_job_id())
-        live = cls._current
-        if live is not None and live.key == key and len(live.actors) >= num_actors:
-            return live
-        if live is not None and live.key[-1] == key[-1]:
-            live.shutdown()  # same session, another engine or too few actors: free its resources first
-        cls._current = cls(spec, num_actors=max(num_actors, build_actors or 0), num_cpus=num_cpus, num_gpus=num_gpus)
-        return cls._current
-
-    def run(
-        self,
-        jobs: list[dict[str, str]],
-        settings: ShardSettings,
-        *,
-        timeout_s: float | None,
-        progress_bars: bool,
-        stats: DeadlineStats | None = None,
-    ) -> Iterator[dict[str, Any]]:
-        """Each shard's result as it finishes; a shard past ``timeout_s`` (generate.shard_timeout_s) kills its
-        engine's actor, which Ray rebuilds, and is retried once, then the run stops (ShardTimeout, exit 1)."""
-        from batchrl.tracking.progress import progress
-
-        with progress(len(jobs), "generate: shards", enabled=progress_bars) as bar:
-            for row in run_with_deadlines(
-                self.actors,
-                jobs,
-                lambda actor, job: actor.generate_shard.remote(job, settings),
-                timeout_s=timeout_s,
-                timeout_retries=SHARD_TIMEOUT_RETRIES,
-                what="generate: shard",
-                stats=stats,
-            ):
-                yield row
-                bar.advance()
-
-    def end_stage(self, engine_lifetime: str) -> None:
-        """What a stage that used the engines leaves of them (generate.engine_lifetime): stage shuts them down, sleep
-        frees their device memory until the next shard, run keeps them as they are."""
-        import ray
-
-        if engine_lifetime == "stage":
-            self.shutdown()
-        elif engine_lifetime == "sleep":
-            started = time.perf_counter()
-            ray.get([actor.sleep.remote() for actor in self.actors])
-            logger.info("%d engine(s) asleep in %.2f s", len(self.actors), time.perf_counter() - started)
-
-    def shutdown(self) -> None:
-        import ray
-
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors = []
-        if EnginePool._current is self:
-            EnginePool._current = None
+    with progress(len(jobs), "generate: shards", enabled=progress_bars) as bar:
+        for row in run_with_deadlines(
+            actors,
+            jobs,
+            lambda actor, job: actor.generate_shard.remote(job, settings),
+            timeout_s=timeout_s,
+            timeout_retries=SHARD_TIMEOUT_RETRIES,
+            what="generate: shard",
+            stats=stats,
+        ):
+            yield row
+            bar.advance()
 
 
 @register
@@ -305,13 +273,6 @@ class GenerateStage(Stage):
 
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
         return [("model.path", cfg.model.path)]  # the initial policy
-
-    @classmethod
-    def close(cls) -> None:
-        """The run's engines (kept across iterations) end with the run, before its Ray does: a pool left behind
-        would name actors of a Ray session that is gone."""
-        if EnginePool._current is not None:
-            EnginePool._current.shutdown()
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         return [generation_actor_need(cfg)]
@@ -376,12 +337,7 @@ class GenerateStage(Stage):
                 for row in rows:
                     finished.add(row)
         elif jobs:
-            pool = EnginePool.get(
-                engine_spec(ctx.cfg),
-                num_actors=min(g.num_actors, len(jobs)),
-                num_cpus=g.cpus_per_actor,
-                num_gpus=g.gpus_per_actor,
-            )
+            actors = engine_actors(ctx, num_actors=min(g.num_actors, len(jobs)))
             settings = ShardSettings(
                 policy=ctx.policy_in,
                 num_samples_per_prompt=g.num_samples_per_prompt,
@@ -398,7 +354,8 @@ class GenerateStage(Stage):
             )
             deadlines = DeadlineStats()
             with FinishedShards(jobs, output_dir=ctx.output_dir, parts=parts, counts=counts) as finished:
-                for row in pool.run(
+                for row in generate_shards(
+                    actors,
                     jobs,
                     settings,
                     timeout_s=g.shard_timeout_s,
@@ -414,7 +371,7 @@ class GenerateStage(Stage):
                     deadlines.timeouts,
                 )
                 counts["shard_timeouts"] = counts.get("shard_timeouts", 0) + deadlines.timeouts
-            pool.end_stage(g.engine_lifetime)
+            ctx.engines.end_stage(g.engine_lifetime)
         return StageOutput(
             parts=[parts[job["name"]] for job in all_jobs],
             counts={k: int(v) for k, v in counts.items() if not k.endswith("_s")},

@@ -131,7 +131,7 @@ def test_compare_reports_core_metrics_in_points():
     assert lines == ["val-core/arith/reward/mean@1: 0.250 -> 0.625 (+37.5 points)"]
 
 
-def run_evaluate(cfg, out_name: str):
+def run_evaluate(cfg, out_name: str, engines):
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
     out_dir = f"{layout.run_dir}/{out_name}"
     ctx = StageContext(
@@ -143,15 +143,16 @@ def run_evaluate(cfg, out_name: str):
         inputs={},
         input_dirs={},
         policy_in=cfg.model.path,
+        engines=engines,
     )
     output = EvaluateStage().run(ctx)
     return output, read_parquet(f"{out_dir}/{output.parts[0].name}")
 
 
-def test_a_real_evaluation_agrees_with_the_reward_and_resamples_identically(ray_session, tmp_path, toy_model_dir):
+def test_a_real_evaluation_agrees_with_the_reward_and_resamples_identically(engine_pool, tmp_path, toy_model_dir):
     build_arith_prompts(str(tmp_path / "held_out"), num_prompts=5, num_shards=1, seed=11)
     cfg = config(tmp_path, toy_model_dir, [str(tmp_path / "held_out")], {"num_samples": 3, "max_new_tokens": 4})
-    output, table = run_evaluate(cfg, "first")
+    output, table = run_evaluate(cfg, "first", engine_pool)
     assert table.num_rows == 5 and output.counts["prompts"] == 5
     rows = table.to_pylist()
     assert all(len(r["sample_responses"]) == len(r["sample_scores"]) == 3 for r in rows)
@@ -166,6 +167,6 @@ def test_a_real_evaluation_agrees_with_the_reward_and_resamples_identically(ray_
     } <= set(output.stats)
     assert all(1 <= n <= 4 for r in rows for n in r["sample_lengths"])
     assert sorted(output.extra_parts) == ["prompts", "rollouts", "scores"]
-    _, again = run_evaluate(cfg, "second")
+    _, again = run_evaluate(cfg, "second", engine_pool)
     assert again.column("sample_responses").to_pylist() == table.column("sample_responses").to_pylist()
     assert again.column("greedy_response").to_pylist() == table.column("greedy_response").to_pylist()
