@@ -250,33 +250,20 @@ def update(
     progress = ProgressWriter(spec.progress_path if ctx.rank == 0 else None)
     logprob_start = time.perf_counter()
     step_metrics, global_step, train_start = [], start_step, logprob_start
-    if spec.train_actor:
-        progress.write({"phase": "logprobs"})
-        with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{ctx.rank}-") as scratch:
-            spilled = pre_update_pass(
-                model,
-                index,
-                reader,
-                spec=spec,
-                ctx=ctx,
-                pad_token_id=pad_token_id,
-                scratch_dir=scratch,
-                recompute_old=recomputes_old(spec, missing_rollout_logprobs=missing_logprobs),
-            )
-            train_start = time.perf_counter()
-            try:
-                step_metrics, global_step = train(
-                    model,
-                    optimizer,
-                    UpdateInputs(index=index, reader=reader, spilled=spilled, spec=spec),
-                    spec=spec,
-                    ctx=ctx,
-                    pad_token_id=pad_token_id,
-                    start_step=start_step,
-                    progress=progress,
-                )
-            finally:
-                spilled.close()
+    if spec.train_actor:  # else a critic warm-up: the policy is its input
+        recompute_old = recomputes_old(spec, missing_rollout_logprobs=missing_logprobs)
+        step_metrics, global_step, train_start = actor_steps(
+            model,
+            optimizer,
+            index,
+            reader,
+            spec=spec,
+            ctx=ctx,
+            pad_token_id=pad_token_id,
+            start_step=start_step,
+            recompute_old=recompute_old,
+            progress=progress,
+        )
     train_time = time.perf_counter() - train_start
     progress.write({"phase": "save"})
 
@@ -305,24 +292,82 @@ def update(
             policy_files=file_digests(spec.policy_out, ctx=ctx),
             state_files=None if spec.trainer_state_out is None else file_digests(spec.trainer_state_out, ctx=ctx),
         )
+    timings = {
+        "perf/update_time_s": save_start - logprob_start,
+        "perf/logprob_time_s": train_start - logprob_start,
+        "perf/train_time_s": train_time,
+        "perf/load_time_s": load_time,
+        "perf/save_time_s": save_time,
+    }
+    metrics = update_metrics(step_metrics, spec=spec, index=index, global_step=global_step, timings=timings)
+    metrics |= critic_metrics | {"actor/trainer_reused": float(reused)}
+    return (metrics if ctx.rank == 0 else None), kept
+
+
+def actor_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    index: SampleIndex,
+    reader: RowReader,
+    *,
+    spec: UpdateSpec,
+    ctx: Dist,
+    pad_token_id: int,
+    start_step: int,
+    recompute_old: bool,
+    progress: ProgressWriter,
+) -> tuple[list[dict[str, float]], int, float]:
+    """The actor's part of an update: the pre-update log-probs, spilled to this rank's scratch directory, then the
+    optimizer steps over them. Returns (each step's metrics, the global step after the last, when the steps began)."""
+    progress.write({"phase": "logprobs"})
+    with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{ctx.rank}-") as scratch:
+        spilled = pre_update_pass(
+            model,
+            index,
+            reader,
+            spec=spec,
+            ctx=ctx,
+            pad_token_id=pad_token_id,
+            scratch_dir=scratch,
+            recompute_old=recompute_old,
+        )
+        train_start = time.perf_counter()
+        try:
+            step_metrics, global_step = train(
+                model,
+                optimizer,
+                UpdateInputs(index=index, reader=reader, spilled=spilled, spec=spec),
+                spec=spec,
+                ctx=ctx,
+                pad_token_id=pad_token_id,
+                start_step=start_step,
+                progress=progress,
+            )
+        finally:
+            spilled.close()
+    return step_metrics, global_step, train_start
+
+
+def update_metrics(
+    step_metrics: list[dict[str, float]],
+    *,
+    spec: UpdateSpec,
+    index: SampleIndex,
+    global_step: int,
+    timings: dict[str, float],
+) -> dict[str, float]:
+    """The actor's metrics of an update (a critic warm-up's: that it took no step), its sizes and ``timings``."""
     if spec.train_actor:
         metrics = summarize(step_metrics, spec=spec, global_step=global_step)
     else:  # critic warm-up: the policy is its input
         metrics = {"actor/warmup": 1.0, "actor/num_optimizer_steps": 0.0, "perf/real_tokens": 0.0}
-    metrics |= critic_metrics | {
+    return metrics | {
         "actor/optimizer_state_restored": float(has_actor_state(spec)),
-        "actor/trainer_reused": float(reused),
         "perf/num_tokens": float(index.loss_tokens_N.sum()),
         "perf/num_samples": float(index.num_samples),
-        "perf/update_time_s": save_start - logprob_start,
-        "perf/logprob_time_s": train_start - logprob_start,
-        "perf/train_time_s": train_time,
-        "perf/train_tokens_per_s": metrics["perf/real_tokens"] / max(train_time, 1e-9),
-        "perf/load_time_s": load_time,
-        "perf/save_time_s": save_time,
+        **timings,
+        "perf/train_tokens_per_s": metrics["perf/real_tokens"] / max(timings["perf/train_time_s"], 1e-9),
     }
-
-    return (metrics if ctx.rank == 0 else None), kept
 
 
 def checked_index(spec: UpdateSpec, *, ctx: Dist) -> tuple[SampleIndex, list[ListScan]]:
