@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrl.pipeline.shards import ShardWorker, pending_shards, run_sharded, shard_jobs
+from batchrl.config.models import ActorResources
+from batchrl.pipeline.shards import ShardRun, ShardWorker, pending_shards, run_sharded, shard_jobs
 from batchrl.storage import write_parquet_atomic
 from batchrl.storage.journal import Journal
 from batchrl.storage.manifest import Manifest, PartInfo
@@ -66,17 +67,8 @@ def input_table(tmp_path, num_parts: int) -> Manifest:
 
 def run(tmp_path, manifest: Manifest):
     """The stage in this process (a lone CPU shard on an 'embedded' Ray runs in the driver: no Ray needed)."""
-    return run_sharded(
-        input_dir=str(tmp_path / "in"),
-        input_manifest=manifest,
-        output_dir=str(tmp_path / "out"),
-        worker_cls=Tagger,
-        worker_kwargs={},
-        concurrency=1,
-        num_cpus=1,
-        progress_bars=False,
-        embedded_ray=True,
-    )
+    shards = ShardRun(str(tmp_path / "in"), manifest, str(tmp_path / "out"), progress_bars=False, embedded_ray=True)
+    return run_sharded(shards, worker_cls=Tagger, worker_kwargs={}, actors=ActorResources())
 
 
 def pending(tmp_path, manifest: Manifest):
