@@ -143,4 +143,6 @@ def advantage_stages(cfg: PipelineConfig) -> list[type[Stage]]:
     return [type("AdvantageStage", (AdvantageStage,), {"inputs": ("values",), "__module__": __name__})]
 
 
-STAGE_PROVIDERS.append(advantage_stages)
+# First of the providers, whatever the import order: the user stages' provider reads the table of each stage a user
+# stage may follow (advantage among them) from the registry, so advantage must be registered before it runs.
+STAGE_PROVIDERS.insert(0, advantage_stages)
