@@ -13,8 +13,10 @@ Steps (`--steps`, in this order):
   two must be identical. Also the tokens/s of the same prompts unseeded, n samples per request: what a seed per
   sample (batchrl's reproducible sampling) costs.
 - push: after `load_checkpoint` of other weights, the engine's log-probs must match a transformers forward of the
-  NEW weights, not the old. On a GPU also: sleep (level 2), the device memory that freed, and wake + push vs a
-  rebuild. `--layout` runs the engine core in this process, in another (multiprocess), or tensor-parallel.
+  NEW weights, not the old. The engine is generate's, kept open for it (a run pushes into an engine that has
+  generated, its prefix cache full of the old weights' blocks), else one built here. On a GPU also: sleep (level
+  2), the device memory that freed, and wake + push vs a rebuild. `--layout` runs the engine core in this process,
+  in another (multiprocess), or tensor-parallel.
 - update: a 1-rank FSDP2 update (NCCL on a GPU, gloo on CPU), then one that resumes from its optimizer state.
 - pipeline: a 2-iteration pipeline with the GPU profiles (CPU ones without a GPU), then a rerun that must skip
   every stage.
@@ -72,6 +74,7 @@ class Smoke:
     layout: str
     cuda: bool
     results: dict[str, Any] = field(default_factory=dict)  # what one step leaves for the next (the engine's build time)
+    engine: Any = None  # generate's engine, kept for a push step right after it (run_steps closes it otherwise)
 
     @property
     def dtype(self) -> str:
@@ -157,19 +160,16 @@ def step_generate(smoke: Smoke) -> str:
     from batchrl.engines import SamplingSpec
 
     started = time.perf_counter()
-    engine = _engine(smoke, smoke.model("old", seed=0))
+    engine = smoke.engine = _engine(smoke, smoke.model("old", seed=0))  # closed by run_steps, or the push step's
     build_s = time.perf_counter() - started
     prompts = _prompts(smoke)
     seeds = [[1000 * p + s for s in range(4)] for p in range(len(prompts))]
     sampling = SamplingSpec(max_new_tokens=128)
-    try:
-        first = engine.generate(prompts, seeds=seeds, sampling=sampling)  # the first call warms the engine up
-        started = time.perf_counter()
-        again = engine.generate(prompts, seeds=seeds, sampling=sampling)
-        seeded_s = time.perf_counter() - started
-        unseeded_rate = _unseeded_rate(engine, prompts, samples=4, max_new_tokens=128)
-    finally:
-        engine.close()
+    first = engine.generate(prompts, seeds=seeds, sampling=sampling)  # the first call warms the engine up
+    started = time.perf_counter()
+    again = engine.generate(prompts, seeds=seeds, sampling=sampling)
+    seeded_s = time.perf_counter() - started
+    unseeded_rate = _unseeded_rate(engine, prompts, samples=4, max_new_tokens=128)
     if [[r.token_ids for r in g] for g in first] != [[r.token_ids for r in g] for g in again]:
         raise AssertionError("the same seeds gave different samples")
     tokens = sum(len(r.token_ids) for group in again for r in group)
@@ -197,7 +197,7 @@ def step_push(smoke: Smoke) -> str:
     """load_checkpoint of other weights; the engine's log-probs must be those of the new weights. On a GPU, the
     same after a sleep: the memory freed, and wake + push against a rebuild."""
     old, new = smoke.model("old", seed=0), smoke.model("new", seed=1)
-    engine = _engine(smoke, old)
+    engine, smoke.engine = smoke.engine or _engine(smoke, old), None  # generate's engine serves the old weights
     try:
         started = time.perf_counter()
         engine.load_checkpoint(new)
@@ -460,7 +460,7 @@ class PeakDeviceMemory:
 def run_steps(smoke: Smoke, steps: list[str], *, say: Callable[[str], None] = print) -> dict[str, str]:
     """Runs the steps in order; returns each one's verdict (PASS, FAIL or SKIP) and says a line per step."""
     verdicts = {}
-    for name in steps:
+    for index, name in enumerate(steps):
         started = time.perf_counter()
         with PeakDeviceMemory(smoke.cuda) as memory:
             try:
@@ -470,6 +470,10 @@ def run_steps(smoke: Smoke, steps: list[str], *, say: Callable[[str], None] = pr
             except Exception as error:  # a failed step is reported and the next one still runs
                 verdict, detail = "FAIL", f"{type(error).__name__}: {error}"
                 traceback.print_exc(file=sys.stderr)
+            finally:
+                if smoke.engine is not None and steps[index + 1 : index + 2] != ["push"]:
+                    smoke.engine.close()  # nothing else uses it: its workers would hold the cores the next step needs
+                    smoke.engine = None
         verdicts[name] = verdict
         say(f"{verdict} {name:<9} {time.perf_counter() - started:7.1f} s  {memory}  {detail}")
     return verdicts
