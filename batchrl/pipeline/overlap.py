@@ -88,10 +88,11 @@ class Overlap:
     def wait(self) -> None:
         """Waits for the step in flight to end; its error, if any, is raised here."""
         assert threading.get_ident() == self._owner, "the overlap is driven by one thread"
-        flight, self._flight = self._flight, None
+        flight = self._flight
         if flight is None:
             return
         flight.ended.wait()
+        self._flight = None  # only now: an interrupt during the wait leaves it in flight, for abandon() to stop
         if flight.error is not None:
             raise flight.error
 
