@@ -220,7 +220,8 @@ class _Chain:
         elif stage.reads_policy == "behaviour":
             policy_in, policy_in_fp = behaviour
         sources = {t: self.tables[source_table(t, stage.name)] for t in stage.inputs if t != POLICY}
-        upstream = [policy_in_fp if t == POLICY else sources[t][1] for t in stage.inputs]
+        fingerprinted = [t for t in stage.inputs if t not in stage.covered_inputs]
+        upstream = [policy_in_fp if t == POLICY else sources[t][1] for t in fingerprinted]
         config = dict(stage.fingerprint_config(cfg), iteration=iteration)
         if stage.reads_train_files and self.lineage.skips_seen_files(cfg):
             config["skip_seen_files"] = seen_fingerprint(self.lineage)
@@ -315,9 +316,11 @@ def check_from_stage(cfg: PipelineConfig, from_stage: str, from_iteration: int |
 
 
 def _force_from(plan: list[PlannedStage], from_stage: str, from_iteration: int | None) -> None:
-    """Forces ``from_stage`` at ``from_iteration`` (default: its first run) and everything after it.
+    """Forces ``from_stage`` at ``from_iteration`` (default: its first run) and every later step made from it.
 
-    A stage whose table nothing reads (evaluate) forces only its own later runs: re-evaluating never retrains.
+    A stage whose table nothing reads (evaluate) forces only its own later runs: re-evaluating never retrains; one
+    read only by such a stage (heldout, read by evaluate) forces those too, and no training stage. A training
+    stage's table leads to the policy, which every later iteration reads, so it forces everything after it.
     """
     start = next(
         (
@@ -336,10 +339,21 @@ def _force_from(plan: list[PlannedStage], from_stage: str, from_iteration: int |
         else:
             listed = ", ".join(map(str, where))
         raise ConfigError(f"--from-stage {from_stage} --iteration {from_iteration}: it runs at iterations {listed}")
-    leaf = not consumers(STAGES[from_stage].table)
+    made_from = _downstream(from_stage)
     for step in plan[start:]:
-        if step.status != "pending" and (not leaf or step.name == from_stage):
+        if step.status != "pending" and step.name in made_from:
             step.status, step.manifest, step.damaged = "forced", None, []
+
+
+def _downstream(name: str) -> set[str]:
+    """``name`` and the stages that read its table, or a table made from it, transitively."""
+    found, todo = {name}, [name]
+    while todo:
+        for reader in consumers(STAGES[todo.pop()].table):
+            if reader not in found:
+                found.add(reader)
+                todo.append(reader)
+    return found
 
 
 def entries(table_dir: str) -> list[str]:

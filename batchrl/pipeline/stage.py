@@ -117,6 +117,10 @@ class Stage:
     # A stage inserted after another (a user stage): the stages that read this table read the last such stage's
     # table instead (see `source_table`); the inserted stages themselves read it as it is, in a chain.
     takes_over: ClassVar[str | None] = None
+    # Inputs made from the config alone whose fingerprint_config this stage's own covers (evaluate: the held-out
+    # prompts): left out of its fingerprint, which they cannot change, so that the evaluations made before that table
+    # existed keep theirs; and a manifest that does not record them counts as made from the table there is now.
+    covered_inputs: ClassVar[tuple[str, ...]] = ()
 
     def planned_iterations(self, cfg: PipelineConfig) -> list[int | None]:
         """Where the stage runs: None = once, before iteration 0; by default once or every iteration."""

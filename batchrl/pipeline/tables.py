@@ -114,7 +114,9 @@ class Tables:
         stale = [
             step
             for step, table in self._readers(redone)
-            if not _made_from(step, table, digest=digest, unchanged=unchanged)
+            if not _made_from(
+                step, table, digest=digest, unchanged=unchanged or table in self.plan.stages[step.name].covered_inputs
+            )
         ]
         if stale:
             logger.warning(

@@ -2,11 +2,12 @@
 
 Why a stage: "does reward go up" must be answered on prompts the run never trains on, with the same engines
 and rewards as training, and the answer must be a table one can inspect (which prompts flipped), not only a
-number. The stage ingests ``evaluate.files`` with the ingest stage's own code (same validation, chat template
-and tokenizer as training prompts), generates with the run's engine pool (``StageContext.engines``, the generate
-stage's actors: no second engine is built, and evaluating the policy that the next iteration generates with costs
-no extra weight push), and scores with the score stage's workers and ``score`` config. Its manifest's ``stats`` hold
-the metrics; the evaluation table holds every response, reward and extracted answer.
+number. The stage reads the held-out prompts that the heldout stage ingested once per run from ``evaluate.files``
+(``evaluation_prompts/``: same validation, chat template and tokenizer as training prompts), generates with the
+run's engine pool (``StageContext.engines``, the generate stage's actors: no second engine is built, and
+evaluating the policy that the next iteration generates with costs no extra weight push), and scores with the
+score stage's workers and ``score`` config. Its manifest's ``stats`` hold the metrics; the evaluation table holds
+every response, reward and extracted answer.
 
 It runs for ``iteration=None`` on the initial policy (before iteration 0) and for iteration i on the policy
 that iteration i's update wrote; ``ctx.policy_in`` is the policy evaluated (see ``evaluated_iterations``).
@@ -31,7 +32,6 @@ import pyarrow as pa
 from batchrl.algorithms.evaluation import evaluation_metrics, majority_vote
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import fingerprint_dump
-from batchrl.errors import DataError
 from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code, reward_name_for
@@ -60,15 +60,16 @@ class EvaluateStage(Stage):
     name = "evaluate"
     table = "evaluation"
     schema = "evaluations"
-    inputs = ("policy",)  # the policy EVALUATED: the initial one (iteration None) or iteration i's output
+    # the held-out prompts, and the policy EVALUATED: the initial one (iteration None) or iteration i's output
+    inputs = ("evaluation_prompts", "policy")
+    # made from fields fingerprint_config holds (heldout_fingerprint_config): evaluations made before the held-out
+    # prompts were a table of their own keep their fingerprints
+    covered_inputs = ("evaluation_prompts",)
     reads_policy = "new"  # at iteration i, "policy" is what iteration i's update wrote (not what it started from)
     config_section = "evaluate"
     timing_name = "eval"
     in_step_time = False
     summary_key = "evaluations"
-
-    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
-        return [] if cfg.evaluate is None else [("evaluate.files", uri) for uri in cfg.evaluate.files]
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         from batchrl.stages.generate import generation_actor_need
@@ -96,11 +97,9 @@ class EvaluateStage(Stage):
         }
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
-        """Before anything is written: the held-out files are readable prompt tables, within the engine's budget."""
+        """Before anything is written: the evaluation fits the engines' budget (the heldout stage checks the files)."""
         if cfg.evaluate is None:
             return
-        from batchrl.stages.ingest import IngestStage
-
         e, g = cfg.evaluate, cfg.generate
         if e.max_new_tokens is not None and e.max_new_tokens > g.max_new_tokens and g.max_model_len is None:
             raise ConfigError(
@@ -108,16 +107,12 @@ class EvaluateStage(Stage):
                 f"{g.max_new_tokens}, which sizes the shared engines; lower it or raise "
                 "generate.max_new_tokens"
             )
-        try:
-            IngestStage().check_inputs(eval_prompts_config(cfg))
-        except (ConfigError, DataError) as err:  # the same error, named by this stage's field
-            raise type(err)(str(err).replace("data.train_files", "evaluate.files")) from None
 
     def run(self, ctx: StageContext) -> StageOutput:
         cfg = ctx.cfg
         if cfg.evaluate is None:
             raise AssertionError("the evaluate stage was planned for a config without an evaluate: section")
-        prompts_dir, prompts = ingest_eval_prompts(ctx)
+        prompts_dir, prompts = ctx.input_dirs["evaluation_prompts"], ctx.inputs["evaluation_prompts"]
         rollouts = generate_eval_rollouts(ctx, prompts_dir, prompts)
         scores_dir = join(ctx.output_dir, "_scores")
         score_parts = score_eval_rollouts(
@@ -138,7 +133,7 @@ class EvaluateStage(Stage):
         results = pa.concat_tables(tables)
         stats = evaluation_metrics_from_table(results, pass_threshold=cfg.evaluate.pass_threshold)
         logger.info("evaluated %s on %d held-out prompts: %s", ctx.policy_in, results.num_rows, headline(stats))
-        extra = {"prompts": prompts.parts, "rollouts": rollouts.parts, "scores": score_parts}
+        extra = {"rollouts": rollouts.parts, "scores": score_parts}
         return StageOutput(
             parts=parts,
             counts=_counts(results),
@@ -148,38 +143,6 @@ class EvaluateStage(Stage):
 
 
 # ------------------------------------------------------------------------------------------ steps
-
-
-def eval_prompts_config(cfg: PipelineConfig) -> PipelineConfig:
-    """The run's config with data.train_files replaced by the held-out files (what ingest reads for evaluation),
-    plain prompts even when training is on logged data (the policy answers them)."""
-    data = cfg.data.model_copy(
-        update={"train_files": list(cfg.evaluate.files), "max_prompts": cfg.evaluate.max_prompts}
-    )
-    return cfg.model_copy(update={"data": data, "generate": cfg.generate.model_copy(update={"logged": None})})
-
-
-def ingest_eval_prompts(ctx: StageContext) -> tuple[str, Manifest]:
-    """The held-out prompts, validated and tokenized by the ingest stage itself, under ``_prompts/``."""
-    from batchrl.stages.ingest import IngestStage
-
-    out_dir = join(ctx.output_dir, "_prompts")
-    output = IngestStage().run(
-        StageContext(
-            cfg=eval_prompts_config(ctx.cfg),
-            layout=ctx.layout,
-            iteration=None,
-            output_dir=out_dir,
-            fingerprint=ctx.fingerprint,
-            inputs={},
-            input_dirs={},
-            policy_in=ctx.policy_in,
-            embedded_ray=ctx.embedded_ray,
-        )
-    )
-    if output.counts.get("rejected"):
-        logger.warning("evaluate: %d held-out prompt(s) rejected (see %s/_rejects)", output.counts["rejected"], out_dir)
-    return out_dir, _manifest(output.parts, schema="prompts")
 
 
 def max_new_tokens(cfg: PipelineConfig) -> int:

@@ -91,50 +91,64 @@ class IngestStage(Stage):
         return [ActorNeed.of(cfg.data, field="data")]
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
-        """Before anything is written: the inputs exist, local ones are readable (Parquet footers, a JSONL file's
-        first record) with the needed columns and not all empty (an object-store prefix of many files would be
-        read twice, so those are checked as ingest plans its chunks, before it writes a part), and the model and
-        tokenizer can be found."""
-        try:
-            uris = expand_input_files(cfg.data.train_files)
-        except StorageError as err:
-            raise ConfigError(f"{err}; fix data.train_files") from None
-        local = describe_inputs([uri for uri in uris if is_local(uri)])
-        check_files(local, cfg)
-        if local and len(local) == len(uris) and all(file.empty for file in local):
-            raise DataError(f"data.train_files: every input file is empty (0 rows): {_listing(uris)}")
-        model = cfg.model
-        check_checkpoint_source(model.path, field="model.path", example=HUB_EXAMPLE)
-        if model.tokenizer is not None:
-            check_checkpoint_source(model.tokenizer, field="model.tokenizer", example=HUB_EXAMPLE)
+        check_prompt_files(cfg, field="data.train_files")
 
     def run(self, ctx: StageContext) -> StageOutput:
-        cfg = ctx.cfg
-        try:
-            uris = expand_input_files(cfg.data.train_files)
-        except StorageError as err:
-            raise DataError(str(err)) from None
-        files = describe_inputs(uris)
-        check_files(files, cfg)
-        for file in files:
-            if file.empty:
-                logger.warning("ingest: %s has no rows", file.uri)
-        rows_per_chunk = max(cfg.data.shard_size, MIN_CHUNK_ROWS)
-        chunks = plan_chunks(files, rows_per_chunk=rows_per_chunk, rows_per_part=cfg.data.shard_size)
-        ingest = ChunkedIngest(ctx, chunks)
-        window = ingest.run()
-        output = ingest.output(window)
-        if not output.counts["prompts"]:
-            empty = [f.uri for f in files if f.empty] + ingest.files_without_rows(window)
-            with_no_rows = f"; with no rows: {_listing(empty)}" if empty else ""
-            raise DataError(
-                f"no valid prompts in {_listing(uris)}: {output.counts['rejected']} row(s) rejected "
-                f"({_reason_counts(output.counts)}){with_no_rows}; check data.train_files and the column layout"
-            )
-        return output
+        return ingest_prompt_files(ctx, field="data.train_files")
 
 
-def check_files(files: list[InputFile], cfg: PipelineConfig) -> None:
+# The ingest of a list of prompt files, shared with the held-out prompts' stage (batchrl.stages.heldout): both read
+# ``cfg.data.train_files`` of the config they are given, and their errors name ``field``, the list the user wrote.
+
+
+def check_prompt_files(cfg: PipelineConfig, *, field: str) -> None:
+    """Before anything is written: the inputs exist, local ones are readable (Parquet footers, a JSONL file's
+    first record) with the needed columns and not all empty (an object-store prefix of many files would be
+    read twice, so those are checked as ingest plans its chunks, before it writes a part), and the model and
+    tokenizer can be found."""
+    try:
+        uris = expand_input_files(cfg.data.train_files, field=field)
+    except StorageError as err:
+        raise ConfigError(f"{err}; fix {field}") from None
+    local = describe_inputs([uri for uri in uris if is_local(uri)], field=field)
+    check_files(local, cfg, field=field)
+    if local and len(local) == len(uris) and all(file.empty for file in local):
+        raise DataError(f"{field}: every input file is empty (0 rows): {_listing(uris)}")
+    model = cfg.model
+    check_checkpoint_source(model.path, field="model.path", example=HUB_EXAMPLE)
+    if model.tokenizer is not None:
+        check_checkpoint_source(model.tokenizer, field="model.tokenizer", example=HUB_EXAMPLE)
+
+
+def ingest_prompt_files(ctx: StageContext, *, field: str) -> StageOutput:
+    """The prompts table of ``ctx.cfg.data.train_files`` written into ``ctx.output_dir`` (resuming from its journal
+    there), with its rejects side table."""
+    cfg = ctx.cfg
+    try:
+        uris = expand_input_files(cfg.data.train_files, field=field)
+    except StorageError as err:
+        raise DataError(str(err)) from None
+    files = describe_inputs(uris, field=field)
+    check_files(files, cfg, field=field)
+    for file in files:
+        if file.empty:
+            logger.warning("ingest: %s has no rows", file.uri)
+    rows_per_chunk = max(cfg.data.shard_size, MIN_CHUNK_ROWS)
+    chunks = plan_chunks(files, rows_per_chunk=rows_per_chunk, rows_per_part=cfg.data.shard_size)
+    ingest = ChunkedIngest(ctx, chunks)
+    window = ingest.run()
+    output = ingest.output(window)
+    if not output.counts["prompts"]:
+        empty = [f.uri for f in files if f.empty] + ingest.files_without_rows(window)
+        with_no_rows = f"; with no rows: {_listing(empty)}" if empty else ""
+        raise DataError(
+            f"no valid prompts in {_listing(uris)}: {output.counts['rejected']} row(s) rejected "
+            f"({_reason_counts(output.counts)}){with_no_rows}; check {field} and the column layout"
+        )
+    return output
+
+
+def check_files(files: list[InputFile], cfg: PipelineConfig, *, field: str) -> None:
     """DataError naming the first file without a required column (a JSONL file: in its first record)."""
     needs_data_source = rewards_need_data_source(cfg)
     try:
@@ -150,6 +164,7 @@ def check_files(files: list[InputFile], cfg: PipelineConfig) -> None:
                 needs_data_source=needs_data_source,
                 needs_ground_truth=needs_ground_truth,
                 needs_responses=cfg.generate.logged is not None,
+                field=field,
             )
 
 
@@ -314,8 +329,9 @@ class ChunkedIngest:
 
     def _pool_size(self, num_jobs: int) -> int:
         """Actors for ``num_jobs`` jobs: data.num_actors (default: one per data.cpus_per_actor CPUs of the cluster),
-        no more than the CPUs free now hold (the evaluate stage ingests its held-out prompts while the generation
-        engines hold CPUs: a pool waiting for more would wait forever); 0 when none is free."""
+        no more than the CPUs free now hold (other actors may hold some, as the generation engines did when the
+        evaluate stage ingested its held-out prompts itself: a pool waiting for more would wait forever); 0 when none
+        is free."""
         import ray
 
         data = self.cfg.data

@@ -267,9 +267,11 @@ def check_columns(
     needs_data_source: bool,
     needs_ground_truth: bool = True,
     needs_responses: bool = False,
+    field: str = "data.train_files",
 ) -> None:
-    """DataError naming the file and the first required column it lacks (the ground truth only when every row
-    needs one: LabelRule.every_row; the logged responses with generate.logged)."""
+    """DataError naming the file (and ``field``, the config field that lists it) and the first required column it
+    lacks (the ground truth only when every row needs one: LabelRule.every_row; the logged responses with
+    generate.logged)."""
     layouts = (
         "use batchrl's layout (prompt, ground_truth[, data_source, prompt_id]) or verl's "
         "(prompt, reward_model.ground_truth, data_source)"
@@ -297,4 +299,4 @@ def check_columns(
         )
     else:
         return
-    raise DataError(f"data.train_files: {uri} has no {missing} column (columns: {sorted(columns)}); {hint}")
+    raise DataError(f"{field}: {uri} has no {missing} column (columns: {sorted(columns)}); {hint}")

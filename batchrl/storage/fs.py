@@ -229,9 +229,10 @@ def is_jsonl(uri: str) -> bool:
     return uri.endswith((".jsonl", ".jsonl.gz"))
 
 
-def expand_input_files(patterns: list[str]) -> list[str]:
+def expand_input_files(patterns: list[str], *, field: str = "data.train_files") -> list[str]:
     """Files, directories (their *.parquet, *.jsonl and *.jsonl.gz, recursively) and globs -> a sorted,
-    de-duplicated list of URIs. A file named explicitly or by a glob is taken whatever its suffix."""
+    de-duplicated list of URIs. A file named explicitly or by a glob is taken whatever its suffix. ``field``: the
+    config field that lists ``patterns``, which an error names."""
     out: list[str] = []
     for pattern in patterns:
         fs, path = resolve(pattern)
@@ -247,9 +248,9 @@ def expand_input_files(patterns: list[str]) -> list[str]:
         elif fs.isfile(path):
             matches = [path]
         else:
-            raise StorageError(f"data.train_files: {pattern!r} does not exist (no file, directory or glob match)")
+            raise StorageError(f"{field}: {pattern!r} does not exist (no file, directory or glob match)")
         if not matches:
-            raise StorageError(f"data.train_files: {pattern!r} matched no .parquet, .jsonl or .jsonl.gz files")
+            raise StorageError(f"{field}: {pattern!r} matched no .parquet, .jsonl or .jsonl.gz files")
         out.extend(prefix + m for m in sorted(matches))
     return list(dict.fromkeys(out))
 

@@ -138,19 +138,19 @@ class Chunk:
         return cls(**json.loads(text))
 
 
-def describe_inputs(uris: list[str]) -> list[InputFile]:
+def describe_inputs(uris: list[str], *, field: str = "data.train_files") -> list[InputFile]:
     """Each file's identity and footer (Parquet) or first record (JSONL), read concurrently; DataError naming a
-    file that cannot be read."""
+    file that cannot be read and ``field``, the config field that lists it."""
     with ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, max(1, len(uris)))) as pool:
-        return list(pool.map(_describe, uris, range(len(uris))))
+        return list(pool.map(_describe, uris, range(len(uris)), [field] * len(uris)))
 
 
-def _describe(uri: str, index: int) -> InputFile:
+def _describe(uri: str, index: int, field: str) -> InputFile:
     try:
         (identity,) = file_identities([uri])
     except OSError as err:
-        raise DataError(f"data.train_files: {uri} cannot be read ({_first_line(err)})") from None
-    columns, groups = _read_head(uri)
+        raise DataError(f"{field}: {uri} cannot be read ({_first_line(err)})") from None
+    columns, groups = _read_head(uri, field)
     return InputFile(uri, index, identity["size"], identity["version"], columns, groups)
 
 
@@ -318,21 +318,21 @@ def _json_object(line: bytes) -> dict[str, Any] | str:
     return value
 
 
-def _read_head(uri: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def _read_head(uri: str, field: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """(column names, rows per row group) of a Parquet file; (keys of the first record, ()) of a JSONL file."""
     fs, path = resolve(uri)
     if is_jsonl(uri):
-        return _first_record_keys(uri, fs, path), ()
+        return _first_record_keys(uri, fs, path, field), ()
     try:
         with open_parquet(uri) as parquet:
             metadata = parquet.metadata
     except (OSError, pa.ArrowInvalid) as err:
-        raise DataError(f"data.train_files: {uri} is not a readable Parquet file ({_first_line(err)})") from None
+        raise DataError(f"{field}: {uri} is not a readable Parquet file ({_first_line(err)})") from None
     columns = tuple(metadata.schema.to_arrow_schema().names)
     return columns, tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
 
 
-def _first_record_keys(uri: str, fs, path: str) -> tuple[str, ...]:
+def _first_record_keys(uri: str, fs, path: str, field: str) -> tuple[str, ...]:
     """Keys of the first non-blank line's object (() for a file without one); DataError if it is not an object."""
     try:
         with fs.open(path, "rb") as raw:
@@ -341,12 +341,10 @@ def _first_record_keys(uri: str, fs, path: str) -> tuple[str, ...]:
                 if line.strip():
                     record = _json_object(line)
                     if isinstance(record, str):
-                        raise DataError(
-                            f"data.train_files: {uri} is not a readable JSONL file: its first line {record}"
-                        )
+                        raise DataError(f"{field}: {uri} is not a readable JSONL file: its first line {record}")
                     return tuple(record)
     except (OSError, EOFError) as err:
-        raise DataError(f"data.train_files: {uri} is not a readable JSONL file ({_first_line(err)})") from None
+        raise DataError(f"{field}: {uri} is not a readable JSONL file ({_first_line(err)})") from None
     return ()
 
 

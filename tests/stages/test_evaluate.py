@@ -1,5 +1,6 @@
-"""The evaluate stage: exact mean@k / pass@k / maj@k on hand-made results, config checks, and a real run on
-embedded Ray (HF engine) whose table and metrics agree with the reward, with the same samples every time."""
+"""The evaluate stage: exact mean@k / pass@k / maj@k on hand-made results, config checks (the held-out files are
+the heldout stage's, its errors naming evaluate.files), and a real run on embedded Ray (HF engine), on the held-out
+prompts table, whose table and metrics agree with the reward, with the same samples every time."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from batchrl.stages.evaluate import (
     evaluation_metrics_from_table,
     evaluation_table,
 )
+from batchrl.stages.heldout import HeldOutStage
 from batchrl.storage import RunLayout, read_parquet
+from batchrl.storage.manifest import Manifest
 from batchrl_toy import build_arith_prompts
 
 
@@ -112,7 +115,7 @@ def test_config_mistakes_are_config_errors(tmp_path, toy_model_dir, toy_prompts_
     with pytest.raises(ConfigError, match="two different mean@1"):
         config(tmp_path, evaluate={"num_samples": 1})
     with pytest.raises(ConfigError, match="evaluate.files: .*does not exist"):
-        EvaluateStage().check_inputs(config(tmp_path, toy_model_dir, [str(tmp_path / "missing")]))
+        HeldOutStage().check_inputs(config(tmp_path, toy_model_dir, [str(tmp_path / "missing")]))
     with pytest.raises(ConfigError, match="evaluate.max_new_tokens=9 exceeds generate.max_new_tokens=6"):
         EvaluateStage().check_inputs(config(tmp_path, toy_model_dir, [toy_prompts_dir], {"max_new_tokens": 9}))
 
@@ -120,7 +123,7 @@ def test_config_mistakes_are_config_errors(tmp_path, toy_model_dir, toy_prompts_
 def test_an_unreadable_held_out_file_is_a_data_error_naming_evaluate_files(tmp_path, toy_model_dir):
     (tmp_path / "held_out.parquet").write_bytes(b"")
     with pytest.raises(DataError, match=f"evaluate.files: {tmp_path / 'held_out.parquet'} is not a readable Parquet"):
-        EvaluateStage().check_inputs(config(tmp_path, toy_model_dir, [str(tmp_path / "held_out.parquet")]))
+        HeldOutStage().check_inputs(config(tmp_path, toy_model_dir, [str(tmp_path / "held_out.parquet")]))
 
 
 def test_compare_reports_core_metrics_in_points():
@@ -131,21 +134,35 @@ def test_compare_reports_core_metrics_in_points():
     assert lines == ["val-core/arith/reward/mean@1: 0.250 -> 0.625 (+37.5 points)"]
 
 
-def run_evaluate(cfg, out_name: str, engines):
+def run_stage(stage, cfg, *, output_dir: str, inputs: dict[str, tuple[str, Manifest]], engines=None):
+    """``stage`` run as the runner runs it at iteration None, on the initial policy; its output as a manifest."""
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
-    out_dir = f"{layout.run_dir}/{out_name}"
     ctx = StageContext(
         cfg=cfg,
         layout=layout,
         iteration=None,
-        output_dir=out_dir,
+        output_dir=output_dir,
         fingerprint="e",
-        inputs={},
-        input_dirs={},
+        inputs={table: manifest for table, (_, manifest) in inputs.items()},
+        input_dirs={table: directory for table, (directory, _) in inputs.items()},
         policy_in=cfg.model.path,
+        embedded_ray=True,
         engines=engines,
     )
-    output = EvaluateStage().run(ctx)
+    output = stage.run(ctx)
+    manifest = Manifest(stage.name, stage.table, None, "e", output.parts, stage.schema, 0.0, 1.0, output.counts)
+    return output, manifest
+
+
+def run_evaluate(cfg, out_name: str, engines):
+    """The held-out prompts ingested by the heldout stage, then evaluated; the output and the first part's rows."""
+    run_dir = RunLayout.for_run(cfg.run.root, cfg.run_id).run_dir
+    prompts_dir = f"{run_dir}/evaluation_prompts"
+    _, prompts = run_stage(HeldOutStage(), cfg, output_dir=prompts_dir, inputs={})
+    out_dir = f"{run_dir}/{out_name}"
+    output, _ = run_stage(
+        EvaluateStage(), cfg, output_dir=out_dir, inputs={"evaluation_prompts": (prompts_dir, prompts)}, engines=engines
+    )
     return output, read_parquet(f"{out_dir}/{output.parts[0].name}")
 
 
@@ -166,7 +183,7 @@ def test_a_real_evaluation_agrees_with_the_reward_and_resamples_identically(engi
         "val-aux/arith/response_length/mean@3",
     } <= set(output.stats)
     assert all(1 <= n <= 4 for r in rows for n in r["sample_lengths"])
-    assert sorted(output.extra_parts) == ["prompts", "rollouts", "scores"]
+    assert sorted(output.extra_parts) == ["rollouts", "scores"]  # the prompts are the heldout stage's table
     _, again = run_evaluate(cfg, "second", engine_pool)
     assert again.column("sample_responses").to_pylist() == table.column("sample_responses").to_pylist()
     assert again.column("greedy_response").to_pylist() == table.column("greedy_response").to_pylist()

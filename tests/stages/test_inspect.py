@@ -1,5 +1,6 @@
 """`batchrl inspect` on what ingest commits: the rejects side table that the ingest warning points to, with its rows
-or empty (an ingest that rejects nothing writes no rejects part), and a directory that is no table (one line,
+or empty (an ingest that rejects nothing writes no rejects part), the held-out prompts' rejects likewise (the heldout
+stage's own manifest lists them), and a directory that is no table (one line,
 exit 3). The ingest runs in this process and is committed as the runner commits it; the command line runs as a
 user runs it."""
 
@@ -17,6 +18,7 @@ from harness import cli
 
 from batchrl.config import validate_dict
 from batchrl.pipeline.stage import StageContext
+from batchrl.stages.heldout import HeldOutStage
 from batchrl.stages.ingest import IngestStage
 from batchrl.storage import RunLayout
 from batchrl.storage.manifest import Manifest, write_manifest
@@ -30,9 +32,9 @@ def tokenizer_dir(tmp_path_factory):
     return str(path)
 
 
-def committed_ingest(tmp_path: Path, tokenizer_dir: str, prompts: list[str]) -> Path:
+def committed_ingest(tmp_path: Path, tokenizer_dir: str, prompts: list[str], *, held_out: bool = False) -> Path:
     """The run directory of a run whose ingest of ``prompts`` (an empty one is rejected) is committed; its run.yaml
-    written as the runner writes it."""
+    written as the runner writes it. ``held_out``: ``prompts`` are the evaluation's, ingested by the heldout stage."""
     rows = [
         {"prompt_id": f"p{i}", "data_source": "arith", "prompt": text, "ground_truth": "1"}
         for i, text in enumerate(prompts)
@@ -44,9 +46,12 @@ def committed_ingest(tmp_path: Path, tokenizer_dir: str, prompts: list[str]) -> 
         "model": {"path": tokenizer_dir},
         "data": {"train_files": [str(tmp_path / "in.parquet")]},
     }
+    if held_out:
+        raw["evaluate"] = {"files": raw["data"]["train_files"]}
+    stage = HeldOutStage() if held_out else IngestStage()
     cfg = validate_dict(raw)
     layout = RunLayout.for_run(cfg.run.root, cfg.run_id)
-    output_dir = layout.table_dir("prompts", None)
+    output_dir = layout.table_dir(stage.table, None)
     ctx = StageContext(
         cfg=cfg,
         layout=layout,
@@ -59,10 +64,10 @@ def committed_ingest(tmp_path: Path, tokenizer_dir: str, prompts: list[str]) -> 
         embedded_ray=True,  # as under the runner: a small input is ingested in this process
     )
     started = time.time()
-    out = IngestStage().run(ctx)
+    out = stage.run(ctx)
     manifest = Manifest(
-        stage="ingest",
-        table="prompts",
+        stage=stage.name,
+        table=stage.table,
         iteration=None,
         fingerprint="x",
         parts=out.parts,
@@ -87,6 +92,17 @@ def test_inspect_shows_the_rows_of_the_rejects_table_that_the_ingest_warning_poi
     assert (json.loads(last)["prompt_id"], json.loads(last)["reason"]) == ("p1", "empty_prompt")
     listing = cli("inspect", run_dir).stdout
     assert any(line.startswith("prompts rejects") and " 1 rows" in line for line in listing.splitlines()), listing
+
+
+def test_inspect_shows_the_held_out_prompts_rejects_which_the_heldout_stage_lists(tmp_path, tokenizer_dir):
+    run_dir = committed_ingest(tmp_path, tokenizer_dir, ["What is 1 + 0?", "", "What is 0 + 1?"], held_out=True)
+    result = cli("inspect", run_dir / "evaluation_prompts" / "_rejects")
+    assert result.returncode == 0, result.stderr
+    header, *_, last = result.stdout.splitlines()
+    assert header.startswith("evaluation_prompts rejects, side table of ") and header.endswith("1 rows"), header
+    assert (json.loads(last)["prompt_id"], json.loads(last)["reason"]) == ("p1", "empty_prompt")
+    table = cli("inspect", run_dir / "evaluation_prompts").stdout
+    assert table.startswith("heldout stage table") and "2 rows" in table.splitlines()[0], table
 
 
 def test_an_ingest_that_rejects_nothing_writes_no_rejects_part_and_inspect_says_its_rejects_are_empty(

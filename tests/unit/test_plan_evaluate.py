@@ -1,6 +1,7 @@
 """Where the evaluate stage sits in a plan, without running anything: before training and after every
-evaluate.every-th iteration (the last always), on the policy that iteration's update wrote; its config never
-touches training's fingerprints, and --from-stage evaluate re-evaluates without retraining."""
+evaluate.every-th iteration (the last always), on the policy that iteration's update wrote, reading the held-out
+prompts that the heldout stage ingests once per run; its config never touches training's fingerprints, and
+--from-stage evaluate (or heldout) re-evaluates without retraining."""
 
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ def test_evaluation_runs_before_training_and_after_every_second_and_the_last_ite
     evaluations = [step for step in plan if step.name == "evaluate"]
     assert [s.label for s in evaluations] == ["evaluate", "iter 1 evaluate", "iter 2 evaluate"]
     steps = {step.label: step for step in plan}
-    assert labels(plan).index("evaluate") == 1  # right after ingest, before any training
+    assert labels(plan)[:3] == ["heldout", "ingest", "evaluate"]  # the once-per-run tables, then before training
+    assert all(s.input_dirs == {"evaluation_prompts": steps["heldout"].output_dir} for s in evaluations)
+    assert steps["heldout"].output_dir.endswith("/evaluation_prompts")
     assert labels(plan).index("iter 1 evaluate") == labels(plan).index("iter 1 update") + 1
     assert steps["evaluate"].policy_in == "Qwen/Qwen2.5-0.5B-Instruct"  # the initial policy
     assert steps["iter 1 evaluate"].policy_in == steps["iter 1 update"].output_dir  # what iteration 1 wrote
@@ -69,7 +72,8 @@ def test_evaluation_runs_before_training_and_after_every_second_and_the_last_ite
 
 
 def test_no_evaluate_section_plans_no_evaluation_and_before_training_false_skips_the_initial_one(tmp_path):
-    assert "evaluate" not in {s.name for s in build_plan(config(tmp_path, evaluate=None), check_storage=False)}
+    names = {s.name for s in build_plan(config(tmp_path, evaluate=None), check_storage=False)}
+    assert "evaluate" not in names and "heldout" not in names
     plan = build_plan(config(tmp_path, iterations=2, before_training=False), check_storage=False)
     assert [s.label for s in plan if s.name == "evaluate"] == ["iter 0 evaluate", "iter 1 evaluate"]
 
@@ -79,6 +83,42 @@ def test_changing_the_evaluation_changes_only_evaluation_fingerprints(tmp_path):
     other = {s.label: s.fingerprint for s in build_plan(config(tmp_path, num_samples=4), check_storage=False)}
     changed = sorted(label for label in base if base[label] != other[label])
     assert changed == ["evaluate", "iter 0 evaluate", "iter 1 evaluate", "iter 2 evaluate"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"evaluate": {"files": ["other"]}},
+        {"evaluate": {"max_prompts": 7}},
+        {"data": {"max_prompt_tokens": 77}},
+        {"data": {"apply_chat_template": False}},
+        {"model": {"tokenizer": "other/tokenizer"}},
+        {"score": {"rewards": [{"reward": "gsm8k"}]}},
+    ],
+)
+def test_what_re_ingests_the_held_out_prompts_re_evaluates_through_evaluates_own_fingerprint(tmp_path, change):
+    """The held-out table is left out of evaluate's fingerprint (its evaluations made before that table existed keep
+    theirs): that loses nothing only because whatever changes the table changes evaluate's config as well."""
+    from batchrl.stages.evaluate import EvaluateStage
+    from batchrl.stages.heldout import HeldOutStage
+
+    base = config(tmp_path)
+    raw = base.model_dump(mode="json")
+    for section, fields in change.items():
+        raw[section] = (raw[section] or {}) | fields
+    changed = validate_dict(raw)
+    assert HeldOutStage().fingerprint_config(changed) != HeldOutStage().fingerprint_config(base)
+    assert EvaluateStage().fingerprint_config(changed) != EvaluateStage().fingerprint_config(base)
+
+
+def test_from_stage_heldout_re_ingests_the_held_out_prompts_and_re_evaluates_without_retraining(tmp_path):
+    cfg = config(tmp_path)
+    for step in build_plan(cfg, check_storage=False):
+        commit(step.output_dir, stage=step.name, fp=step.fingerprint)
+    forced = [s.label for s in build_plan(cfg, from_stage="heldout") if s.status == "forced"]
+    assert forced == ["heldout", "evaluate", "iter 0 evaluate", "iter 1 evaluate", "iter 2 evaluate"]
+    forced = [s.label for s in build_plan(cfg, from_stage="ingest") if s.status == "forced"]
+    assert "heldout" not in forced and "iter 0 generate" in forced  # re-ingesting training prompts retrains
 
 
 def test_from_stage_evaluate_forces_only_evaluations_and_a_forced_update_forces_the_evaluations_after_it(tmp_path):

@@ -87,7 +87,7 @@ def test_the_built_in_run_order_is_the_pipeline_diagrams():
 
     # advantage's input depends on the config (the values table with a critic): planning syncs the stages first
     sync_stages(validate_dict({"name": "t", "model": {"path": "m"}, "data": {"train_files": ["d"]}}))
-    assert stage_order() == ["ingest", "generate", "score", "advantage", "update", "evaluate"]
+    assert stage_order() == ["heldout", "ingest", "generate", "score", "advantage", "update", "evaluate"]
 
 
 # In a fresh process: the stage modules imported one by one in the order given (the package itself imports them
@@ -117,7 +117,7 @@ print(json.dumps({"registered": list(STAGES), "order": stage_order(), "advantage
 
 
 def test_the_run_order_and_what_advantage_reads_do_not_depend_on_the_order_the_stages_are_imported_in():
-    modules = ["advantage", "evaluate", "generate", "ingest", "score", "update", "user", "values"]
+    modules = ["advantage", "evaluate", "generate", "heldout", "ingest", "score", "update", "user", "values"]
     runs = [
         json.loads(
             subprocess.run(
@@ -132,5 +132,6 @@ def test_the_run_order_and_what_advantage_reads_do_not_depend_on_the_order_the_s
     ]
     assert runs[0]["registered"] != runs[1]["registered"]  # the two processes did register in other orders
     for run in runs:
-        assert run["order"] == ["ingest", "generate", "score", "shaping", "values", "advantage", "update", "evaluate"]
+        order = ["heldout", "ingest", "generate", "score", "shaping", "values", "advantage", "update", "evaluate"]
+        assert run["order"] == order
         assert run["advantage_reads"] == ["values"]

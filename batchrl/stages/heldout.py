@@ -1,0 +1,89 @@
+"""heldout: ``evaluate.files`` -> the held-out prompts table (``evaluation_prompts/``), once per run.
+
+Why a stage of its own: the evaluate stage used to ingest its prompts at every evaluation, by building an ingest
+stage and a context by hand and rewriting its error messages, and wrote their rejects where no manifest listed them
+(so `batchrl inspect` said "no manifest" there). Now they are ingested once, before any iteration, with the ingest
+stage's own functions (same validation, chat template and tokenizer as training prompts, and the same journal to
+resume from), into a table with its manifest and its rejects side table (``evaluation_prompts/_rejects``), and the
+evaluate stage reads that table. Its errors name ``evaluate.files``, the list the user wrote.
+
+Departures from the ingest of training prompts: plain prompts even when training is on logged data (the policy
+answers them), ``evaluate.max_prompts`` in place of ``data.max_prompts``, and no narrowing to new files
+(``run.new_files_only`` concerns the training files).
+
+Its fingerprint is made of fields the evaluate stage fingerprints too (``heldout_fingerprint_config``), and the
+evaluate stage leaves this table out of its own fingerprint (``covered_inputs``): a change that re-ingests the
+held-out prompts re-evaluates through evaluate's own config, and the evaluations made before this table existed
+kept their fingerprints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from batchrl.config import PipelineConfig
+from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
+from batchrl.rewards import reward_code
+from batchrl.stages.ingest import check_prompt_files, ingest_prompt_files
+
+FIELD = "evaluate.files"
+
+
+@register
+class HeldOutStage(Stage):
+    name = "heldout"
+    table = "evaluation_prompts"
+    schema = "prompts"
+    per_iteration = False
+    resumes_from_journal = True  # as ingest: its chunks' records say what is done
+    config_section = "evaluate"
+
+    def planned_iterations(self, cfg: PipelineConfig) -> list[int | None]:
+        return [None] if cfg.evaluate is not None else []  # what the evaluate stage reads, when it runs
+
+    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
+        return [] if cfg.evaluate is None else [(FIELD, uri) for uri in cfg.evaluate.files]
+
+    def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
+        return [ActorNeed.of(cfg.data, field="data")]  # the ingest actors
+
+    def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
+        return heldout_fingerprint_config(cfg)
+
+    def check_inputs(self, cfg: PipelineConfig) -> None:
+        """Before anything is written: the held-out files are readable prompt tables."""
+        if cfg.evaluate is not None:
+            check_prompt_files(heldout_config(cfg), field=FIELD)
+
+    def run(self, ctx: StageContext) -> StageOutput:
+        if ctx.cfg.evaluate is None:
+            raise AssertionError("the heldout stage was planned for a config without an evaluate: section")
+        return ingest_prompt_files(dataclasses.replace(ctx, cfg=heldout_config(ctx.cfg)), field=FIELD)
+
+
+def heldout_config(cfg: PipelineConfig) -> PipelineConfig:
+    """The run's config as the ingest functions read it for the held-out prompts: data.train_files and
+    data.max_prompts are evaluate's, and plain prompts even when training is on logged data."""
+    data = cfg.data.model_copy(
+        update={"train_files": list(cfg.evaluate.files), "max_prompts": cfg.evaluate.max_prompts}
+    )
+    return cfg.model_copy(update={"data": data, "generate": cfg.generate.model_copy(update={"logged": None})})
+
+
+def heldout_fingerprint_config(cfg: PipelineConfig) -> dict[str, Any]:
+    """What determines the held-out prompts table, each a field the evaluate stage's fingerprint holds as well: the
+    files and how many prompts (in its ``evaluate``), the tokenizer and the template and length rules, and the score
+    config with the custom rewards' code (which rows need a label or a data_source). data.shard_size and
+    data.overlong_prompts are not among them, as the evaluate stage left them out when it ingested these prompts
+    itself: changing them keeps the held-out table (and every evaluation's fingerprint)."""
+    e = cfg.evaluate
+    code = reward_code(cfg.score)
+    return ({"reward_code": code} if code else {}) | {
+        "files": None if e is None else list(e.files),
+        "max_prompts": None if e is None else e.max_prompts,
+        "score": cfg.score.model_dump(),
+        "tokenizer": cfg.model.tokenizer or cfg.model.path,
+        "max_prompt_tokens": cfg.data.max_prompt_tokens,
+        "apply_chat_template": cfg.data.apply_chat_template,
+    }
