@@ -73,9 +73,11 @@ class EvaluateStage(Stage):
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         from batchrl.stages.generate import generation_actor_need
-        from batchrl.stages.score import ScoreStage
+        from batchrl.stages.score import reward_model_actor_need
 
-        return [generation_actor_need(cfg)] + ScoreStage().actor_needs(cfg)  # the engines and reward models it uses
+        # the engines and the reward models it uses: the generate and score stages' actors
+        reward_models = [] if cfg.score.reward_model is None else [reward_model_actor_need(cfg)]
+        return [generation_actor_need(cfg), *reward_models]
 
     def planned_iterations(self, cfg: PipelineConfig) -> list[int | None]:
         return evaluated_iterations(cfg)

@@ -139,3 +139,35 @@ def test_from_stage_evaluate_must_name_an_evaluated_iteration_of_a_config_that_e
     with pytest.raises(ConfigError, match="never runs it .add an evaluate: section"):
         check_from_stage(config(tmp_path, evaluate=None), "evaluate", None)
     check_from_stage(config(tmp_path, every=2), "evaluate", 1)
+
+
+def test_evaluations_made_before_the_held_out_prompts_were_a_table_stay_done_when_heldout_first_runs(tmp_path):
+    """A run made by an earlier batchrl: its evaluations record their policy only. The plan of the same config has
+    the same evaluate fingerprints, so they are done; heldout is new (pending), and committing it keeps them."""
+    from batchrl.pipeline.plan import Plan, current_input_digest
+    from batchrl.pipeline.tables import Tables
+    from batchrl.storage.manifest import read_manifest
+
+    cfg = config(tmp_path)
+    for step in build_plan(cfg, check_storage=False):
+        if step.name != "heldout":
+            commit(step.output_dir, stage=step.name, fp=step.fingerprint)
+    before = Plan(cfg)
+    for step in before.steps:
+        if step.name == "evaluate":  # as an earlier batchrl wrote it: the policy recorded, no held-out table
+            manifest = read_manifest(step.output_dir)
+            manifest.inputs = {"policy": current_input_digest(step, "policy", before.by_dir, before.lineage)}
+            write_manifest(step.output_dir, manifest)
+    plan = Plan(cfg)
+    assert {s.label: s.status for s in plan.steps if s.name in ("heldout", "evaluate")} == {
+        "heldout": "pending",
+        "evaluate": "done",
+        "iter 0 evaluate": "done",
+        "iter 1 evaluate": "done",
+        "iter 2 evaluate": "done",
+    }
+    heldout = plan[("heldout", None)]
+    commit(heldout.output_dir, stage="heldout", fp=heldout.fingerprint)
+    Tables(plan).commit(heldout, read_manifest(heldout.output_dir), previous=None)
+    assert all(s.status == "done" for s in plan.steps if s.name == "evaluate")
+    assert Path(plan[("evaluate", None)].output_dir, "part-00000.parquet").exists()
