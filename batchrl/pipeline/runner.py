@@ -111,7 +111,8 @@ class Runner:
         working = {name: stage for name, stage in self.stages.items() if self._has_work(name)}
         check_actor_needs(self.cfg, working, self.session)
         self.tables.clear_forced()
-        once = [name for name, stage in self.stages.items() if not stage.per_iteration]
+        # the once-per-run stages this config plans (heldout only with an evaluate: section)
+        once = [name for name, stage in self.stages.items() if not stage.per_iteration and (name, None) in self.plan]
         for name in once:
             if self.stage(name) is None:
                 return  # an incremental run with no new input file: nothing to train on
