@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from harness import free_port
+from harness import free_port, s3_environment
 
 from batchrl_toy import ensure_toy_assets
 
@@ -110,13 +110,8 @@ def s3_endpoint():
 
 @pytest.fixture
 def s3_env(s3_endpoint, monkeypatch):
-    """Environment for a process that talks to the test S3 (credentials are moto's dummies)."""
-    env = {
-        "AWS_ENDPOINT_URL": s3_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
+    """Environment for a process that talks to the test S3, set in this process too."""
+    env = s3_environment(s3_endpoint)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return env

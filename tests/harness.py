@@ -235,6 +235,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def s3_environment(endpoint: str) -> dict[str, str]:
+    """The environment of a process that talks to the S3 at ``endpoint`` (credentials are moto's dummies)."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
 # Reading what a run wrote, local or on object storage (a str URI or a Path).
 
 

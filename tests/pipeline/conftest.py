@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from harness import free_port, write_pipeline
+from harness import free_port, s3_environment, write_pipeline
 
 
 @pytest.fixture
@@ -86,12 +86,7 @@ def restartable_s3(s3_endpoint, monkeypatch):
     """A RestartableS3 (started) and the environment for processes that talk to it through the forwarder."""
     endpoint = RestartableS3(s3_endpoint)
     endpoint.start()
-    env = {
-        "AWS_ENDPOINT_URL": endpoint.endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
+    env = s3_environment(endpoint.endpoint)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     yield endpoint, env

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import cli_ok, free_port, pythonpath, read_json
+from harness import cli_ok, free_port, pythonpath, read_json, s3_environment
 from test_run_end_to_end import E2E, ITERATIONS, check_run
 
 from batchrl.storage import resolve
@@ -60,16 +60,16 @@ def ray_head(temp_dir: Path, *, num_cpus: int, env: dict[str, str]) -> Iterator[
         _stop(head)
 
 
-@pytest.fixture
-def ray_cluster(s3_env) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def ray_cluster(s3_endpoint) -> dict[str, str]:
     """The environment that connects to a one-node Ray cluster of 4 CPUs (RAY_ADDRESS and its own auth token), in
     its own temp dir (so no other `ray.init()` on this machine finds it). Its workers see the test S3 and the test
-    reward module, as a configured cluster's nodes would."""
+    reward module, as a configured cluster's nodes would. One cluster for the module's runs, one after the other,
+    as a real cluster serves its jobs (a `ray start` and its stop cost ~10 s on 2 cores)."""
     temp_dir = tempfile.mkdtemp(prefix="brl-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex}
-    with ray_head(
-        Path(temp_dir), num_cpus=4, env={**os.environ, **s3_env, **auth, "PYTHONPATH": pythonpath()}
-    ) as address:
+    env = {**os.environ, **s3_environment(s3_endpoint), **auth, "PYTHONPATH": pythonpath()}
+    with ray_head(Path(temp_dir), num_cpus=4, env=env) as address:
         yield {"RAY_ADDRESS": address, **auth}
     shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -87,27 +87,6 @@ def _stop(head: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     head.wait()
-
-
-def test_run_on_a_ray_cluster_updates_with_ray_actors_that_write_the_policy_to_object_storage(
-    pipeline, s3_env, s3_bucket, s3_prompts, ray_cluster
-):
-    path = pipeline(
-        E2E | {"data.train_files": [s3_prompts], "run.root": f"s3://{s3_bucket}/runs", "generate.engine": "hf"}
-    )  # the transformers engine: quicker to start than vLLM
-
-    result = cli_ok("run", path, env={**s3_env, **ray_cluster})
-    run_dir = f"s3://{s3_bucket}/runs/e2e"
-    check_run(run_dir)
-    assert result.stderr.count("on 2 Ray worker(s)") == ITERATIONS  # update.launcher: auto chose the Ray actors
-    second = read_json(f"{run_dir}/iter_0001/metrics.json")
-    assert second["actor/optimizer_state_restored"] == 1.0  # every rank's optimizer shards went to S3 and back
-    fs, _ = resolve(f"s3://{s3_bucket}")
-    assert fs.exists(f"{s3_bucket}/runs/e2e/iter_0001/policy/_trainer_state/optimizer/__1_0.distcp")
-
-    # The launcher is not part of the update's fingerprint: running it locally instead redoes nothing.
-    plan = cli_ok("plan", path, sets=["update.launcher=local"], env=s3_env)
-    assert plan.stdout.count("skip (complete)") == 1 + 4 * ITERATIONS
 
 
 @pytest.fixture
@@ -136,6 +115,49 @@ def test_run_on_two_nodes_with_a_shared_local_run_directory(tmp_path, pipeline, 
     assert not any(p.name.startswith(".batchrl-shared-probe-") for p in tmp_path.rglob("*"))
 
 
+@pytest.fixture
+def ray_started_on_this_machine() -> dict[str, str | None]:
+    """The environment of a run on a machine where `ray start --head --num-cpus=1` was run: the cluster's address is
+    recorded in $RAY_TMPDIR/ray/ray_current_cluster, where ray.init() looks (here a directory of the test's own, not
+    /tmp/ray, which other Ray users of this machine read), and RAY_ADDRESS is not set."""
+    temp_root = tempfile.mkdtemp(prefix="brl-ray-", dir="/tmp")
+    with ray_head(Path(temp_root) / "ray", num_cpus=1, env={**os.environ, "PYTHONPATH": pythonpath()}):
+        yield {"RAY_TMPDIR": temp_root, "RAY_ADDRESS": None}
+    shutil.rmtree(temp_root, ignore_errors=True)
+
+
+def test_a_run_on_the_embedded_ray_is_not_disturbed_by_a_ray_cluster_started_on_the_same_machine(
+    tmp_path, pipeline, ray_started_on_this_machine
+):
+    result = cli_ok("run", pipeline(), env=ray_started_on_this_machine)
+    assert (tmp_path / "runs" / "tiny" / "iter_0000" / "policy" / "_MANIFEST.json").exists()
+    assert "Ray worker(s)" not in result.stderr  # its own Ray: the update's ranks are local processes
+
+
+# The runs on the module's cluster come last: `ray_cluster` stays up from the first of them to the module's end.
+
+
+def test_run_on_a_ray_cluster_updates_with_ray_actors_that_write_the_policy_to_object_storage(
+    pipeline, s3_env, s3_bucket, s3_prompts, ray_cluster
+):
+    path = pipeline(
+        E2E | {"data.train_files": [s3_prompts], "run.root": f"s3://{s3_bucket}/runs", "generate.engine": "hf"}
+    )  # the transformers engine: quicker to start than vLLM
+
+    result = cli_ok("run", path, env={**s3_env, **ray_cluster})
+    run_dir = f"s3://{s3_bucket}/runs/e2e"
+    check_run(run_dir)
+    assert result.stderr.count("on 2 Ray worker(s)") == ITERATIONS  # update.launcher: auto chose the Ray actors
+    second = read_json(f"{run_dir}/iter_0001/metrics.json")
+    assert second["actor/optimizer_state_restored"] == 1.0  # every rank's optimizer shards went to S3 and back
+    fs, _ = resolve(f"s3://{s3_bucket}")
+    assert fs.exists(f"{s3_bucket}/runs/e2e/iter_0001/policy/_trainer_state/optimizer/__1_0.distcp")
+
+    # The launcher is not part of the update's fingerprint: running it locally instead redoes nothing.
+    plan = cli_ok("plan", path, sets=["update.launcher=local"], env=s3_env)
+    assert plan.stdout.count("skip (complete)") == 1 + 4 * ITERATIONS
+
+
 def test_ppo_on_a_ray_cluster_moves_the_critic_and_its_optimizer_state_through_object_storage(
     pipeline, s3_env, s3_bucket, s3_prompts, ray_cluster
 ):
@@ -161,22 +183,3 @@ def test_ppo_on_a_ray_cluster_moves_the_critic_and_its_optimizer_state_through_o
     assert fs.exists(f"{policy}/_trainer_state/critic/optimizer/__1_0.distcp")
     manifest = read_json(f"{run_dir}/iter_0001/policy/_MANIFEST.json")
     assert "critic/model.safetensors" in {part["name"] for part in manifest["parts"]}
-
-
-@pytest.fixture
-def ray_started_on_this_machine() -> dict[str, str | None]:
-    """The environment of a run on a machine where `ray start --head --num-cpus=1` was run: the cluster's address is
-    recorded in $RAY_TMPDIR/ray/ray_current_cluster, where ray.init() looks (here a directory of the test's own, not
-    /tmp/ray, which other Ray users of this machine read), and RAY_ADDRESS is not set."""
-    temp_root = tempfile.mkdtemp(prefix="brl-ray-", dir="/tmp")
-    with ray_head(Path(temp_root) / "ray", num_cpus=1, env={**os.environ, "PYTHONPATH": pythonpath()}):
-        yield {"RAY_TMPDIR": temp_root, "RAY_ADDRESS": None}
-    shutil.rmtree(temp_root, ignore_errors=True)
-
-
-def test_a_run_on_the_embedded_ray_is_not_disturbed_by_a_ray_cluster_started_on_the_same_machine(
-    tmp_path, pipeline, ray_started_on_this_machine
-):
-    result = cli_ok("run", pipeline(), env=ray_started_on_this_machine)
-    assert (tmp_path / "runs" / "tiny" / "iter_0000" / "policy" / "_MANIFEST.json").exists()
-    assert "Ray worker(s)" not in result.stderr  # its own Ray: the update's ranks are local processes
