@@ -270,23 +270,15 @@ class ShardRun:
 
 
 def run_sharded(
-    shards: ShardRun | None = None,
+    shards: ShardRun,
     *,
     worker_cls: type[ShardWorker],
     worker_kwargs: dict[str, Any],
-    actors: ActorResources | None = None,
-    **spelled_out: Any,
+    actors: ActorResources,
 ) -> tuple[list[PartInfo], dict[str, float]]:
     """Runs ``worker_cls`` over every input part of ``shards`` not yet done (see `pending_shards`), in a pool of
     ``actors`` (a config section's actor resources); returns the parts in input order and the summed counts. Each
-    finished shard is recorded in the output's journal as its result arrives.
-
-    ``spelled_out``: ShardRun's fields and the pool's concurrency, num_cpus and num_gpus as keywords, the form this
-    took before ShardRun, for the call sites not yet moved to it."""
-    if shards is None or actors is None:
-        shards, actors = _spelled_out(shards, actors, spelled_out)
-    elif spelled_out:
-        raise TypeError(f"run_sharded: {sorted(spelled_out)} given beside a ShardRun and actors")
+    finished shard is recorded in the output's journal as its result arrives."""
     jobs = shard_jobs(input_dir=shards.input_dir, input_manifest=shards.input_manifest, output_dir=shards.output_dir)
     parts, counts, todo = pending_shards(jobs, output_dir=shards.output_dir)
     rows = map_shards(
@@ -304,22 +296,6 @@ def run_sharded(
         for row in rows:
             finished.add(row)
     return [parts[p.name] for p in shards.input_manifest.parts], counts
-
-
-def _spelled_out(
-    shards: ShardRun | None, actors: ActorResources | None, keywords: dict[str, Any]
-) -> tuple[ShardRun, ActorResources]:
-    """The ShardRun and actors of a call that spells them out as keywords (see `run_sharded`)."""
-    pool = {"concurrency": "num_actors", "num_cpus": "cpus_per_actor", "num_gpus": "gpus_per_actor"}
-    run_fields = {name for name in ShardRun.__dataclass_fields__}
-    unknown = set(keywords) - run_fields - set(pool)
-    if unknown:
-        raise TypeError(f"run_sharded got unexpected keywords {sorted(unknown)}")
-    if shards is None:
-        shards = ShardRun(**{k: v for k, v in keywords.items() if k in run_fields})
-    if actors is None:
-        actors = ActorResources(**{pool[k]: v for k, v in keywords.items() if k in pool})
-    return shards, actors
 
 
 def map_shards(

@@ -23,8 +23,8 @@ import pyarrow as pa
 from batchrl.algorithms.advantages import BatchMoments
 from batchrl.algorithms.estimators import ESTIMATORS
 from batchrl.config import PipelineConfig
-from batchrl.config.models import AdvantageConfig, fingerprint_dump
-from batchrl.pipeline.shards import ShardWorker, run_sharded
+from batchrl.config.models import ActorResources, AdvantageConfig, fingerprint_dump
+from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import STAGE_PROVIDERS, Stage, StageContext, StageOutput
 from batchrl.stages.advantage_gae import gae_stats, token_moments, token_output
 from batchrl.stages.advantage_group import group_moments, group_output
@@ -120,16 +120,10 @@ class AdvantageStage(Stage):
         if needs_batch_moments(a):
             moments = dataclasses.asdict(global_moments(ctx, a, source=source, worker_cls=MomentsWorker))
         parts, counts = run_sharded(
-            input_dir=ctx.input_dirs[source],
-            input_manifest=ctx.inputs[source],
-            output_dir=ctx.output_dir,
+            ShardRun.of(ctx, source, description="advantage"),
             worker_cls=AdvantageWorker,
             worker_kwargs={"config": a.model_dump(), "moments": moments, "reference_path": ctx.cfg.model.path},
-            concurrency=max(1, ctx.cfg.ray.num_cpus or 2),
-            num_cpus=1,
-            description="advantage",
-            progress_bars=ctx.cfg.tracking.progress_bars,
-            embedded_ray=ctx.embedded_ray,
+            actors=ActorResources(num_actors=max(1, ctx.cfg.ray.num_cpus or 2), cpus_per_actor=1),
         )
         stats = advantage_stats(counts, a, iteration=ctx.iteration, kind_stats=kind_code(a).stats(counts))
         return StageOutput(parts=parts, counts=manifest_counts(counts), stats=stats)

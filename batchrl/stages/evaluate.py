@@ -32,7 +32,7 @@ import pyarrow as pa
 from batchrl.algorithms.evaluation import evaluation_metrics, majority_vote
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import fingerprint_dump
-from batchrl.pipeline.shards import part_info, process_in_driver, run_sharded
+from batchrl.pipeline.shards import ShardRun, part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code, reward_name_for
 from batchrl.storage import join, read_parquet, write_parquet_atomic
@@ -204,17 +204,17 @@ def score_eval_rollouts(
     if cfg.score.reward_model is not None:
         rm = cfg.score.reward_model
         parts, _ = run_sharded(
-            input_dir=rollouts_dir,
-            input_manifest=rollouts,
-            output_dir=scores_dir,
+            ShardRun(
+                rollouts_dir,
+                rollouts,
+                scores_dir,
+                description="evaluate: score",
+                progress_bars=False,
+                embedded_ray=embedded_ray,
+            ),
             worker_cls=ScoreWorker,
             worker_kwargs=ScoreStage.reward_kwargs(cfg),
-            concurrency=rm.num_actors,
-            num_cpus=rm.cpus_per_actor,
-            num_gpus=rm.gpus_per_actor,
-            description="evaluate: score",
-            progress_bars=False,
-            embedded_ray=embedded_ray,
+            actors=rm,
         )
         return parts
     jobs = [

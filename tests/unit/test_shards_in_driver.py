@@ -8,7 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrl.pipeline.shards import ShardWorker, run_sharded, runs_in_driver
+from batchrl.config.models import ActorResources
+from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded, runs_in_driver
 from batchrl.storage import write_parquet_atomic
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import load_schema
@@ -59,15 +60,10 @@ def one_part(tmp_path) -> Manifest:
 
 def run(tmp_path, out: str, manifest: Manifest, *, embedded_ray: bool):
     return run_sharded(
-        input_dir=str(tmp_path / "in"),
-        input_manifest=manifest,
-        output_dir=str(tmp_path / out),
+        ShardRun(str(tmp_path / "in"), manifest, str(tmp_path / out), progress_bars=False, embedded_ray=embedded_ray),
         worker_cls=Shouter,
         worker_kwargs={"suffix": "!"},
-        concurrency=2,
-        num_cpus=1,
-        progress_bars=False,
-        embedded_ray=embedded_ray,
+        actors=ActorResources(num_actors=2, cpus_per_actor=1),
     )
 
 
