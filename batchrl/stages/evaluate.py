@@ -35,6 +35,7 @@ from batchrl.config.models import fingerprint_dump
 from batchrl.pipeline.shards import ShardRun, part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code, reward_name_for
+from batchrl.stages.heldout import overlong_prompts
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import load_schema
@@ -85,18 +86,22 @@ class EvaluateStage(Stage):
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         e = cfg.evaluate
         code = reward_code(cfg.score)  # editing a custom reward's module re-evaluates
-        return ({"reward_code": code} if code else {}) | {
-            "evaluate": None if e is None else fingerprint_dump(e),
-            "max_new_tokens": None if e is None else max_new_tokens(cfg),
-            "score": cfg.score.model_dump(),
-            "tokenizer": cfg.model.tokenizer or cfg.model.path,
-            "max_prompt_tokens": cfg.data.max_prompt_tokens,
-            "apply_chat_template": cfg.data.apply_chat_template,
-            "engine": cfg.generate.engine,
-            "stop": list(cfg.generate.stop),
-            "dtype": cfg.model.dtype,
-            "seed": cfg.run.seed,
-        }
+        return (
+            ({"reward_code": code} if code else {})
+            | overlong_prompts(cfg)
+            | {
+                "evaluate": None if e is None else fingerprint_dump(e),
+                "max_new_tokens": None if e is None else max_new_tokens(cfg),
+                "score": cfg.score.model_dump(),
+                "tokenizer": cfg.model.tokenizer or cfg.model.path,
+                "max_prompt_tokens": cfg.data.max_prompt_tokens,
+                "apply_chat_template": cfg.data.apply_chat_template,
+                "engine": cfg.generate.engine,
+                "stop": list(cfg.generate.stop),
+                "dtype": cfg.model.dtype,
+                "seed": cfg.run.seed,
+            }
+        )
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         """Before anything is written: the evaluation fits the engines' budget (the heldout stage checks the files)."""

@@ -74,16 +74,28 @@ def heldout_config(cfg: PipelineConfig) -> PipelineConfig:
 def heldout_fingerprint_config(cfg: PipelineConfig) -> dict[str, Any]:
     """What determines the held-out prompts table, each a field the evaluate stage's fingerprint holds as well: the
     files and how many prompts (in its ``evaluate``), the tokenizer and the template and length rules, and the score
-    config with the custom rewards' code (which rows need a label or a data_source). data.shard_size and
-    data.overlong_prompts are not among them, as the evaluate stage left them out when it ingested these prompts
-    itself: changing them keeps the held-out table (and every evaluation's fingerprint)."""
+    config with the custom rewards' code (which rows need a label or a data_source), and what becomes of an
+    overlong prompt (`overlong_prompts`). data.shard_size is not among them: it lays the table out in parts and
+    changes no row (so changing it keeps the held-out table, and every evaluation's fingerprint)."""
     e = cfg.evaluate
     code = reward_code(cfg.score)
-    return ({"reward_code": code} if code else {}) | {
-        "files": None if e is None else list(e.files),
-        "max_prompts": None if e is None else e.max_prompts,
-        "score": cfg.score.model_dump(),
-        "tokenizer": cfg.model.tokenizer or cfg.model.path,
-        "max_prompt_tokens": cfg.data.max_prompt_tokens,
-        "apply_chat_template": cfg.data.apply_chat_template,
-    }
+    return (
+        ({"reward_code": code} if code else {})
+        | overlong_prompts(cfg)
+        | {
+            "files": None if e is None else list(e.files),
+            "max_prompts": None if e is None else e.max_prompts,
+            "score": cfg.score.model_dump(),
+            "tokenizer": cfg.model.tokenizer or cfg.model.path,
+            "max_prompt_tokens": cfg.data.max_prompt_tokens,
+            "apply_chat_template": cfg.data.apply_chat_template,
+        }
+    )
+
+
+def overlong_prompts(cfg: PipelineConfig) -> dict[str, Any]:
+    """data.overlong_prompts for the fingerprints of heldout and evaluate when it is not the default: truncating
+    instead of rejecting keeps other held-out prompts. Left out at the default, as it was before it counted here (an
+    evaluation made then was made with the default), so those fingerprints stay as they were."""
+    rule = cfg.data.overlong_prompts
+    return {} if rule == "reject" else {"overlong_prompts": rule}

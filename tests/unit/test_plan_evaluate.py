@@ -92,6 +92,7 @@ def test_changing_the_evaluation_changes_only_evaluation_fingerprints(tmp_path):
         {"evaluate": {"max_prompts": 7}},
         {"data": {"max_prompt_tokens": 77}},
         {"data": {"apply_chat_template": False}},
+        {"data": {"overlong_prompts": "truncate_left"}},
         {"model": {"tokenizer": "other/tokenizer"}},
         {"score": {"rewards": [{"reward": "gsm8k"}]}},
     ],
