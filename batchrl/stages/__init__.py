@@ -1,4 +1,5 @@
-"""The built-in stages: importing this package registers them.
+"""The built-in stages: importing this package registers them (advantage and the user stages through providers in
+`STAGE_PROVIDERS`, registered per config by `sync_stages`, as their inputs follow from the config).
 
 The runner knows no stage by name (see batchrl/pipeline/stage.py). The run order follows from what each stage
 reads: ingest once (and heldout, the held-out prompts, with an evaluate: section); then, every iteration, generate
