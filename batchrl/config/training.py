@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from batchrl.algorithms.estimators import ESTIMATORS
 from batchrl.config.base import ActorResources, Placement, _Strict
 
 
@@ -59,16 +60,23 @@ class AdvantageConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_options(self) -> AdvantageConfig:
-        if self.estimator == "grpo_passk" and self.passk_k is None:
-            raise ValueError("advantage.estimator=grpo_passk needs advantage.passk_k (e.g. 4)")
-        if self.estimator != "grpo_passk" and self.passk_k is not None:
-            raise ValueError(f"advantage.passk_k is only used by estimator grpo_passk, not {self.estimator}; remove it")
-        if self.estimator in ("reinforce_pp_baseline", "gae") and self.whiten:
-            raise ValueError(f"advantage.estimator={self.estimator} already whitens the batch; remove advantage.whiten")
-        if self.estimator == "gae" and self.filter_groups:
+        """What each estimator's entry in the estimator table declares (batchrl/algorithms/estimators.py): the
+        options it reads, whether it whitens the batch itself, and its kind."""
+        entry = ESTIMATORS[self.estimator]
+        takes_k = "passk_k" in entry.options.values()
+        if takes_k and self.passk_k is None:
+            raise ValueError(f"advantage.estimator={self.estimator} needs advantage.passk_k (e.g. 4)")
+        if not takes_k and self.passk_k is not None:
+            users = [name for name, e in ESTIMATORS.items() if "passk_k" in e.options.values()]
             raise ValueError(
-                "advantage.filter_groups drops groups for the group-relative estimators; with estimator gae every "
-                "sample has the critic's baseline. Remove advantage.filter_groups"
+                f"advantage.passk_k is only used by estimator {' or '.join(users)}, not {self.estimator}; remove it"
+            )
+        if entry.needs_batch_moments and self.whiten:
+            raise ValueError(f"advantage.estimator={self.estimator} already whitens the batch; remove advantage.whiten")
+        if entry.kind == "token" and self.filter_groups:
+            raise ValueError(
+                "advantage.filter_groups drops groups for the group-relative estimators; with estimator "
+                f"{self.estimator} every sample has the critic's baseline. Remove advantage.filter_groups"
             )
         return self
 

@@ -394,6 +394,32 @@ def test_options_are_read_from_the_advantage_config_by_field_name():
     assert ESTIMATORS["gae"].options_from(AdvantageConfig(estimator="gae", gamma=0.9)) == {"gamma": 0.9, "lam": 1.0}
 
 
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_the_config_refuses_what_each_estimators_entry_rules_out_with_a_message_that_says_so(name):
+    """AdvantageConfig validates from the table: whiten where the estimator whitens the batch itself, filter_groups
+    for a per-token one, passk_k where its options do not read it (and requires it where they do)."""
+    entry = ESTIMATORS[name]
+    takes_k = "passk_k" in entry.options.values()
+    k = {"passk_k": 2} if takes_k else {}
+    assert AdvantageConfig(estimator=name, **k).estimator == name
+    if takes_k:
+        with pytest.raises(ValueError, match=f"advantage.estimator={name} needs advantage.passk_k"):
+            AdvantageConfig(estimator=name)
+    else:
+        with pytest.raises(ValueError, match=f"passk_k is only used by estimator grpo_passk, not {name}; remove it"):
+            AdvantageConfig(estimator=name, passk_k=2)
+    if entry.needs_batch_moments:
+        with pytest.raises(ValueError, match=f"estimator={name} already whitens the batch; remove advantage.whiten"):
+            AdvantageConfig(estimator=name, whiten=True, **k)
+    else:
+        assert AdvantageConfig(estimator=name, whiten=True, **k).whiten
+    if entry.kind == "token":
+        with pytest.raises(ValueError, match=f"with estimator {name} every sample has the critic's baseline"):
+            AdvantageConfig(estimator=name, filter_groups=True, **k)
+    else:
+        assert AdvantageConfig(estimator=name, filter_groups=True, **k).filter_groups
+
+
 def test_unknown_estimator_is_rejected_with_the_valid_names_listed():
     with pytest.raises(ValueError, match="grpo.*drgrpo.*rloo.*reinforce_pp_baseline.*grpo_passk"):
         compute_advantages("ppo", np.ones((1, 2)))
