@@ -333,27 +333,57 @@ def conditions(cfg, trl: dict) -> str:
 
 
 def evaluate(cfg, policies: dict[str, str]) -> dict[str, dict[str, float]]:
-    """Held-out metrics of each policy, by batchrl's evaluate stage (one engine pool, weights pushed in place)."""
+    """Held-out metrics of each policy, by batchrl's evaluate stage (one engine pool, weights pushed in place), over
+    the held-out prompts the heldout stage ingests once, as a run does."""
+    import dataclasses
+
     import ray
 
+    from batchrl.engines.pool import EnginePool
     from batchrl.pipeline.stage import StageContext
     from batchrl.stages.evaluate import EvaluateStage
+    from batchrl.stages.heldout import HeldOutStage
     from batchrl.storage import RunLayout
+    from batchrl.storage.manifest import Manifest
 
-    ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, configure_logging=False)
+    engines = EnginePool()
     try:
         layout = RunLayout.for_run(cfg.run.root, "eval")
+        base = StageContext(
+            cfg=cfg,
+            layout=layout,
+            iteration=None,
+            output_dir=f"{layout.run_dir}/evaluation_prompts",
+            fingerprint="heldout",
+            inputs={},
+            input_dirs={},
+            policy_in=cfg.model.path,
+            embedded_ray=True,
+            engines=engines,
+        )
+        started = time.time()
+        heldout = HeldOutStage().run(base)
+        prompts = Manifest(
+            stage="heldout",
+            table="evaluation_prompts",
+            iteration=None,
+            fingerprint="heldout",
+            parts=heldout.parts,
+            schema="prompts",
+            started_at=started,
+            finished_at=time.time(),
+            counts=heldout.counts,
+        )
         return {
             name: EvaluateStage()
             .run(
-                StageContext(
-                    cfg=cfg,
-                    layout=layout,
-                    iteration=None,
+                dataclasses.replace(
+                    base,
                     output_dir=f"{layout.run_dir}/{name}",
                     fingerprint=name,
-                    inputs={},
-                    input_dirs={},
+                    inputs={"evaluation_prompts": prompts},
+                    input_dirs={"evaluation_prompts": base.output_dir},
                     policy_in=policy,
                 )
             )
@@ -361,6 +391,7 @@ def evaluate(cfg, policies: dict[str, str]) -> dict[str, dict[str, float]]:
             for name, policy in policies.items()
         }
     finally:
+        engines.close()
         ray.shutdown()
 
 
