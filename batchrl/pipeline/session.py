@@ -35,9 +35,14 @@ class Session:
     engines: EnginePool = field(default_factory=EnginePool)
 
 
+def cluster_address(cfg: PipelineConfig) -> str | None:
+    """The Ray cluster the run joins (ray.address, else $RAY_ADDRESS); None: it starts its own Ray."""
+    return cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
 def on_cluster(cfg: PipelineConfig) -> bool:
-    """Whether the run joins a Ray cluster (ray.address or $RAY_ADDRESS) rather than starting its own Ray."""
-    return bool(cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    """Whether the run joins a Ray cluster rather than starting its own Ray (see `cluster_address`)."""
+    return cluster_address(cfg) is not None
 
 
 def check_devices(cfg: PipelineConfig) -> DeviceSplit | None:
@@ -59,7 +64,7 @@ def ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[Session
     if not needed or ray.is_initialized():
         yield Session()
         return
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(cfg)
     saved_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     session = Session(embedded_ray=not address)
     try:

@@ -45,6 +45,7 @@ from typing import Any
 
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import UpdateConfig, fingerprint_dump
+from batchrl.pipeline.session import on_cluster
 from batchrl.pipeline.shards import verify_parts
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.storage import join, local_copy, upload_file
@@ -78,8 +79,8 @@ class UpdateStage(Stage):
         ]
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
-        cluster = cfg.ray.address is not None or bool(os.environ.get("RAY_ADDRESS"))
-        check_rank_devices(cfg.update, cluster=cluster)  # the split beside the engines: the session's check_devices
+        # the split beside the engines: the session's check_devices
+        check_rank_devices(cfg.update, cluster=on_cluster(cfg))
 
     def check_ready(self, ctx: StageContext) -> None:
         # a state it cannot continue stops the run before its old output is cleared
