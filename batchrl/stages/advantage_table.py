@@ -112,6 +112,7 @@ def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: 
     # The lengths let the update plan mini- and micro-batches from two small columns (batchrl.trainer.index)
     columns["prompt_length"] = pc.list_value_length(columns["prompt_token_ids"]).cast(pa.int32())
     columns["response_length"] = pc.list_value_length(columns["response_token_ids"]).cast(pa.int32())
+    columns["response_mask"] = sample_masks(table)
     columns["advantage"] = pa.array(advantages_PG.reshape(-1), pa.float32())
     columns["reward_kl"] = (
         pa.array(reward_kl_PG.reshape(-1), pa.float32())
@@ -119,3 +120,19 @@ def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: 
         else pa.nulls(int(num_samples_P.sum()), pa.float32())
     )
     return pa.table(columns)
+
+
+MASK_TYPE = pa.list_(pa.int32())
+
+
+def sample_masks(table: pa.Table) -> pa.Array:
+    """Each sample's policy-token mask (the rollouts' ``response_masks``), flat in the samples' order: null for a
+    sample whose group has none (single-turn or logged: every token is the policy's), so a table without masks
+    keeps an all-null column, as before the column existed."""
+    num_samples = sum(len(g) for g in table.column("scores").to_pylist())
+    if "response_masks" not in table.column_names or table.column("response_masks").null_count == table.num_rows:
+        return pa.nulls(num_samples, MASK_TYPE)
+    groups = zip(table.column("response_masks").to_pylist(), table.column("scores").to_pylist())
+    return pa.array(
+        [m for masks, scores in groups for m in (masks if masks is not None else [None] * len(scores))], MASK_TYPE
+    )
