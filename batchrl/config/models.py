@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from batchrl.config.base import ActorResources, Placement, _Strict, fingerprint_dump, placement_fields
+from batchrl.config.judge import JudgeConfig, judge_sharing_problem, judge_term_problem
 from batchrl.config.reward import RewardModelConfig, RewardTerm, ScoreConfig
 from batchrl.config.rollout import DataConfig, EvaluateConfig, GenerateConfig
 from batchrl.config.run import ModelConfig, RayConfig, RunConfig, SetupStep, TrackingConfig
@@ -29,6 +30,7 @@ __all__ = [
     "EvaluateConfig",
     "GenerateConfig",
     "InsertionPoint",
+    "JudgeConfig",
     "ModelConfig",
     "PipelineConfig",
     "Placement",
@@ -46,8 +48,8 @@ __all__ = [
 ]
 
 RESERVED_STAGE_NAMES = frozenset(
-    {"ingest", "generate", "score", "values", "advantage", "update", "evaluate"}
-    | {"prompts", "prompt_rejects", "rollouts", "scores", "advantages", "evaluations", "policy", "critic"}
+    {"ingest", "generate", "judge", "score", "values", "advantage", "update", "evaluate"}
+    | {"prompts", "prompt_rejects", "rollouts", "judgements", "scores", "advantages", "evaluations", "policy", "critic"}
 )
 
 
@@ -134,6 +136,11 @@ class PipelineConfig(_Strict):
     model: ModelConfig = Field(..., description="Initial policy and tokenizer.")
     data: DataConfig = Field(..., description="Prompt data.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Rollout generation.")
+    judge: JudgeConfig | None = Field(
+        None,
+        description="An LLM judge of every response (the judge stage, between generate and score); its verdicts are "
+        "the score.rewards term {reward: judge}. None = no judge.",
+    )
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="Reward scoring.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage estimation.")
     update: UpdateConfig = Field(default_factory=UpdateConfig, description="Policy update (FSDP2).")
@@ -193,6 +200,15 @@ class PipelineConfig(_Strict):
                 )
             if name in names[:index]:
                 raise ValueError(f"stages[{index}].name={name!r} is used twice; each user stage needs its own name")
+        return self
+
+    @model_validator(mode="after")
+    def _check_judge(self) -> PipelineConfig:
+        problem = judge_term_problem(self.judge, terms=self.score.rewards)
+        if problem is None and self.judge is not None:
+            problem = judge_sharing_problem(self.judge, generate=self.generate, run=self.run, update=self.update)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @property
