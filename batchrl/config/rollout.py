@@ -7,6 +7,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from batchrl.config.base import ActorResources, Placement, _Strict
+from batchrl.references import is_reference
+
+BUILTIN_TOOLS = ("calculator", "python")  # batchrl.agents.tools.BUILTINS
 
 
 class DataConfig(_Strict):
@@ -99,6 +102,31 @@ class GenerateConfig(ActorResources):
         "unavailable).",
     )
 
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the policy may call (multi-turn rollouts; README, 'Tools and multi-turn rollouts'): "
+        "built-ins (calculator, python) or 'package.module:function' references to plain functions with type hints "
+        "and a docstring (their JSON schema). Empty: one single-turn answer per sample.",
+    )
+    max_turns: int = Field(4, ge=1, description="With tools: the policy's turns per sample at most.")
+    max_response_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="With tools: a sample's token budget, the policy's and the tools' tokens of all turns together; "
+        "each turn generates at most min(max_new_tokens, what is left). null: max_new_tokens.",
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0, description="With tools: a call running longer is answered with a timeout error."
+    )
+    max_parallel_tool_calls: int = Field(
+        8, ge=1, description="With tools: calls of one turn of a shard run in this many threads."
+    )
+    stop_on_tool_error: bool = Field(
+        False,
+        description="With tools: a call that fails (raises, times out, or is malformed) ends its sample with status "
+        "tool_error instead of being answered with the error.",
+    )
+
     logged: Literal["all"] | list[int] | None = Field(
         None,
         description="Training on logged data: the iterations whose rollouts are the responses logged in the prompt "
@@ -118,6 +146,21 @@ class GenerateConfig(ActorResources):
                 raise ValueError(f"generate.logged lists negative iterations {sorted(i for i in logged if i < 0)}")
             return sorted(set(logged))
         return logged
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, tools: list[str]) -> list[str]:
+        for index, entry in enumerate(tools):
+            if entry not in BUILTIN_TOOLS and not is_reference(entry):
+                raise ValueError(
+                    f"generate.tools[{index}]={entry!r} is no tool: name a built-in ({', '.join(BUILTIN_TOOLS)}) "
+                    "or a function as 'package.module:function'"
+                )
+        return tools
+
+    def response_token_budget(self) -> int:
+        """A sample's response tokens at most: generate.max_response_tokens with tools, else max_new_tokens."""
+        return (self.max_response_tokens or self.max_new_tokens) if self.tools else self.max_new_tokens
 
     def is_logged(self, iteration: int | None) -> bool:
         """Whether ``iteration``'s rollouts are the logged responses (generate.logged)."""

@@ -1,0 +1,68 @@
+"""What a shard's conversations add to the rollouts table (the multi-turn columns) and to generate's counts.
+
+Columns (data_schemas/rollouts.json; null in single-turn tables): response_masks (1 policy, 0 tool token),
+num_turns, stop_statuses (batchrl.agents.loop.STATUSES) and tool_calls, one JSON string per sample holding the list
+of its calls ({"name", "arguments", "output", "error", "detail", "seconds", "turn"}): a JSON string because the
+schemas declare scalars and lists only, and a call's arguments have no fixed shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from batchrl.agents.loop import Conversation
+
+
+def conversation_columns(groups: list[list[Conversation]]) -> dict[str, list[Any]]:
+    """The response columns of the rollouts table, one list per prompt group, one entry per sample."""
+
+    def column(value: Any) -> list[list[Any]]:
+        return [[value(c) for c in group] for group in groups]
+
+    return {
+        "response_texts": column(lambda c: c.text),
+        "response_token_ids": column(lambda c: c.token_ids),
+        "response_logprobs": column(lambda c: c.logprobs),
+        "finish_reasons": column(lambda c: c.finish_reason),
+        "response_lengths": column(lambda c: len(c.token_ids)),
+        "response_masks": column(lambda c: c.mask),
+        "num_turns": column(lambda c: c.turns),
+        "stop_statuses": column(lambda c: c.status),
+        "tool_calls": column(lambda c: json.dumps(c.calls, sort_keys=True, default=str)),
+    }
+
+
+def conversation_counts(conversations: list[Conversation]) -> dict[str, int]:
+    """generate's counters of a shard's conversations (summed over shards): samples that called a tool, turns,
+    calls, tool tokens, malformed calls and failed calls by kind, and samples by stop status."""
+    malformed = {"invalid_json", "no_name", "bad_arguments", "unknown_tool"}
+    errors = Counter(call["error"] for c in conversations for call in c.calls if call["error"])
+    counts = {
+        "tool_samples": sum(1 for c in conversations if c.calls),
+        "turns": sum(c.turns for c in conversations),
+        "tool_calls": sum(len(c.calls) for c in conversations),
+        "tool_tokens": sum(len(c.mask) - sum(c.mask) for c in conversations),
+        "malformed_calls": sum(n for kind, n in errors.items() if kind in malformed),
+        "tool_errors": sum(n for kind, n in errors.items() if kind not in malformed),
+    }
+    counts |= {f"tool_errors/{kind}": n for kind, n in sorted(errors.items())}
+    counts |= {f"stop/{status}": n for status, n in sorted(Counter(c.status for c in conversations).items())}
+    return counts
+
+
+def tool_stats(counts: dict[str, float]) -> dict[str, float]:
+    """generate's tool metrics from its summed counts (empty for a single-turn run): tool-use rate (samples with a
+    call), turns per sample, calls per sample, malformed and failed calls per call."""
+    samples = counts.get("num_samples", 0)
+    if "turns" not in counts or not samples:
+        return {}
+    calls = counts.get("tool_calls", 0)
+    return {
+        "tools/use_rate": counts.get("tool_samples", 0) / samples,
+        "tools/turns_mean": counts["turns"] / samples,
+        "tools/calls_per_sample": calls / samples,
+        "tools/malformed_rate": counts.get("malformed_calls", 0) / calls if calls else 0.0,
+        "tools/error_rate": counts.get("tool_errors", 0) / calls if calls else 0.0,
+    }

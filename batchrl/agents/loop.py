@@ -1,0 +1,223 @@
+"""The agent loop: a shard's conversations, batched per turn on one engine, token in, token out.
+
+Each turn makes ONE ``engine.generate`` call over every conversation still live (vLLM's offline API wants the
+whole batch at once): conversation c's prompt is its prompt ids followed by its response so far, with one seed,
+derived from the sample's seed and the turn (`turn_seed`; turn 0 uses the sample's own seed, so a sample that calls
+no tool equals its single-turn self). Generation stops at ``</tool_call>`` or EOS. The turn's calls, of all
+conversations, run in parallel threads with a per-call timeout; their answers are rendered as the chat template's
+tool turn (`batchrl.agents.calls.ToolTurnFormat`), tokenised once, and appended as ids with mask 0 and log-prob
+0.0. A conversation ends when a turn holds no call (completed), at its token budget (length), when its last allowed
+turn still calls (max_turns), or on a failed call with ``stop_on_tool_error`` (tool_error).
+
+Departures worth knowing:
+- A turn's generate call asks for the largest allowance of the live conversations and cuts each to its own
+  (min(max_new_tokens, budget left)): one call instead of one per distinct allowance. The kept tokens are those a
+  call with the smaller cap would have sampled (each sample has its own seeded RNG in both engines), and a cut turn
+  ends its conversation with status length.
+- A tool that outlives its timeout is answered with an error and left running in its (daemon) thread: Python cannot
+  kill a thread. Code that must be stopped belongs in the sandbox (the ``python`` tool), whose process is killed.
+Deterministic given the seeds and deterministic tools, which is what resuming a killed shard relies on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from batchrl.agents.calls import CALL_STOP, ParsedCall, ToolTurnFormat, parse_calls
+from batchrl.agents.tools import Tool
+
+STATUSES = ("completed", "length", "max_turns", "tool_error", "aborted")
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The loop's limits (generate.max_turns, the token budget, tool_timeout_s, max_parallel_tool_calls,
+    stop_on_tool_error)."""
+
+    max_turns: int
+    max_response_tokens: int
+    tool_timeout_s: float = 10.0
+    max_parallel_tool_calls: int = 8
+    stop_on_tool_error: bool = False
+
+
+@dataclass
+class Conversation:
+    """One sample's multi-turn response: what the rollouts table stores of it."""
+
+    prompt_token_ids: list[int]
+    seed: int
+    token_ids: list[int] = field(default_factory=list)  # policy and tool tokens, in order, as fed to the engine
+    logprobs: list[float] = field(default_factory=list)  # 0.0 on tool tokens
+    mask: list[int] = field(default_factory=list)  # 1 on policy tokens, 0 on tool tokens
+    text: str = ""  # the policy's text and the tool turns' text, in order (for reading, never re-tokenised)
+    calls: list[dict[str, Any]] = field(default_factory=list)  # name, arguments, output, error, seconds, turn
+    turns: int = 0  # policy turns
+    status: str | None = None  # one of STATUSES once ended
+    finish_reason: str = "stop"  # the last turn's: stop or length
+
+    def append(self, token_ids: list[int], logprobs: list[float], *, policy: bool, text: str) -> None:
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.mask += [int(policy)] * len(token_ids)
+        self.text += text
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """The seed of a sample's turn: its own seed at turn 0, else a 31-bit digest of (seed, turn)."""
+    if turn == 0:
+        return sample_seed
+    digest = hashlib.sha256(f"{sample_seed}/turn/{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def run_conversations(
+    engine: Any,
+    prompt_token_ids: list[list[int]],
+    seeds: list[int],
+    *,
+    sampling: Any,
+    tools: dict[str, Tool],
+    settings: LoopSettings,
+    tokenizer: Any,
+    turn_format: ToolTurnFormat,
+    parse: Callable[[str], list[ParsedCall]] = parse_calls,
+) -> list[Conversation]:
+    """One conversation per (prompt, seed), run turn by turn on ``engine`` (see the module docstring).
+    ``tokenizer`` encodes the tool turns (and decodes a cut turn's text); ``parse`` finds a turn's calls."""
+    conversations = [Conversation(list(p), s) for p, s in zip(prompt_token_ids, seeds, strict=True)]
+    stop = tuple(sampling.stop) + ((CALL_STOP,) if CALL_STOP not in sampling.stop else ())
+    for turn in range(settings.max_turns):
+        live = [c for c in conversations if c.status is None]
+        if not live:
+            break
+        allowances = [min(sampling.max_new_tokens, settings.max_response_tokens - len(c.token_ids)) for c in live]
+        groups = engine.generate(
+            [c.prompt_token_ids + c.token_ids for c in live],
+            seeds=[[turn_seed(c.seed, turn)] for c in live],
+            sampling=replace(sampling, max_new_tokens=max(allowances), stop=stop),
+        )
+        calling = []
+        for conversation, (record,), allowance in zip(live, groups, allowances, strict=True):
+            calls = _take_turn(conversation, record, allowance, tokenizer=tokenizer, parse=parse)
+            if calls and turn == settings.max_turns - 1:
+                conversation.status = "max_turns"
+            elif calls:
+                calling.append((conversation, calls))
+        _answer_calls(calling, tools=tools, settings=settings, tokenizer=tokenizer, turn_format=turn_format, turn=turn)
+    return conversations
+
+
+def _take_turn(
+    conversation: Conversation, record: Any, allowance: int, *, tokenizer: Any, parse: Callable
+) -> list[ParsedCall]:
+    """Appends the policy's turn to ``conversation`` (cut to ``allowance`` tokens) and returns its calls; ends the
+    conversation when the turn calls nothing (completed) or was cut (length)."""
+    conversation.turns += 1
+    cut = len(record.token_ids) > allowance
+    token_ids, logprobs = record.token_ids[:allowance], record.logprobs[:allowance]
+    text = tokenizer.decode(token_ids, skip_special_tokens=True) if cut else record.text
+    conversation.finish_reason = "length" if cut else record.finish_reason
+    calls = parse(text) if conversation.finish_reason == "stop" else []
+    if calls and not text.endswith(CALL_STOP):
+        text += CALL_STOP  # the engines cut the stop string from their text; its token is in token_ids
+    conversation.append(token_ids, logprobs, policy=True, text=text)
+    if conversation.finish_reason == "length":
+        conversation.status = "length"
+    elif not calls:
+        conversation.status = "completed"
+    return calls
+
+
+def _answer_calls(
+    calling: list[tuple[Conversation, list[ParsedCall]]],
+    *,
+    tools: dict[str, Tool],
+    settings: LoopSettings,
+    tokenizer: Any,
+    turn_format: ToolTurnFormat,
+    turn: int,
+) -> None:
+    """Runs every call of the turn (all conversations') in parallel and appends each conversation's tool turn."""
+    flat = [call for _, calls in calling for call in calls]
+    results = run_calls(flat, tools=tools, timeout_s=settings.tool_timeout_s, parallel=settings.max_parallel_tool_calls)
+    position = 0
+    for conversation, calls in calling:
+        records = results[position : position + len(calls)]
+        position += len(calls)
+        for record in records:
+            record["turn"] = turn
+        conversation.calls += records
+        if settings.stop_on_tool_error and any(r["error"] for r in records):
+            conversation.status = "tool_error"
+            continue
+        text = turn_format.render([r["output"] if r["error"] is None else f"error: {r['detail']}" for r in records])
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        room = settings.max_response_tokens - len(conversation.token_ids)
+        conversation.append(token_ids[:room], [0.0] * len(token_ids[:room]), policy=False, text=text)
+        if len(token_ids) >= room:  # no room left for the policy's next turn
+            conversation.status = "length"
+
+
+def run_calls(calls: list[ParsedCall], *, tools: dict[str, Tool], timeout_s: float, parallel: int) -> list[dict]:
+    """Each call's record (name, arguments, output, error, detail, seconds), in order; at most ``parallel`` run at
+    once, each stopped waiting for after ``timeout_s``. ``error`` is None, a malformed call's kind (invalid_json,
+    no_name, bad_arguments, unknown_tool) or a failure's (exception, timeout)."""
+    records = [_check_call(call, tools) for call in calls]
+    runnable = [i for i, record in enumerate(records) if record["error"] is None]
+    for start in range(0, len(runnable), parallel):
+        chunk = runnable[start : start + parallel]
+        threads = {i: _CallThread(tools[calls[i].name].function, calls[i].arguments) for i in chunk}
+        deadline = time.monotonic() + timeout_s
+        for thread in threads.values():
+            thread.start()
+        for i, thread in threads.items():
+            thread.join(max(0.0, deadline - time.monotonic()))
+            records[i] |= thread.outcome(timeout_s)
+    return records
+
+
+def _check_call(call: ParsedCall, tools: dict[str, Tool]) -> dict[str, Any]:
+    """A call's record before it runs: its error when it is malformed (None when it can run)."""
+    record = {"name": call.name, "arguments": call.arguments, "output": None, "error": call.malformed}
+    record |= {"detail": call.detail, "seconds": 0.0}
+    if call.malformed is None and call.name not in tools:
+        record |= {"error": "unknown_tool", "detail": f"no tool {call.name!r}; the tools are {sorted(tools)}"}
+    elif call.malformed is None:
+        try:
+            inspect.signature(tools[call.name].function).bind(**call.arguments)
+        except TypeError as error:
+            record |= {"error": "bad_arguments", "detail": f"{call.name}: {error}"}
+    return record
+
+
+class _CallThread(threading.Thread):
+    """One tool call; a daemon, so that a call that never returns keeps no process alive."""
+
+    def __init__(self, function: Callable[..., Any], arguments: dict[str, Any]):
+        super().__init__(daemon=True)
+        self.function, self.arguments = function, arguments
+        self.result: dict[str, Any] | None = None
+        self.started = time.monotonic()
+
+    def run(self) -> None:
+        self.started = time.monotonic()
+        try:
+            output = self.function(**self.arguments)
+            text = output if isinstance(output, str) else json.dumps(output, default=str)
+            self.result = {"output": text, "error": None}
+        except Exception as error:  # a tool's failure is the policy's to read, never the stage's
+            self.result = {"error": "exception", "detail": f"{type(error).__name__}: {error}"}
+        self.result["seconds"] = round(time.monotonic() - self.started, 6)
+
+    def outcome(self, timeout_s: float) -> dict[str, Any]:
+        if self.result is None:
+            return {"error": "timeout", "detail": f"the call ran past {timeout_s:g} s", "seconds": timeout_s}
+        return self.result
