@@ -3,8 +3,8 @@
 
 The runner knows no stage by name (see batchrl/pipeline/stage.py). The run order follows from what each stage
 reads: ingest once (and heldout, the held-out prompts, with an evaluate: section); then, every iteration, generate
-(prompts), score (rollouts), advantage (scores), update (advantages), evaluate (the held-out prompts and the policy
-that update wrote).
+(prompts), judge (rollouts, with a judge: section), score (rollouts, or the judgements), advantage (scores), update
+(advantages), evaluate (the held-out prompts and the policy that update wrote).
 """
 
 from batchrl.stages import (  # noqa: F401  (registers them)
@@ -13,6 +13,7 @@ from batchrl.stages import (  # noqa: F401  (registers them)
     generate,
     heldout,
     ingest,
+    judge,
     score,
     update,
     user,

@@ -227,7 +227,9 @@ def gc_paused() -> Iterator[None]:
 
 def sample_tasks(table: pa.Table) -> tuple[list[tuple], np.ndarray]:
     """One (response, ground_truth, group fields, sample_idx, response_length, finish_reason) per sample (the
-    reward's row fields are combine.sample_row of the last four), and the group row index of each sample."""
+    reward's row fields are combine.sample_row of the last four), and the group row index of each sample. A table
+    the judge stage wrote adds each sample's verdict to its row fields (judge_score, judge_error)."""
+    judged = "judge_scores" in table.column_names
     columns = table.select(
         [
             "prompt_id",
@@ -239,6 +241,7 @@ def sample_tasks(table: pa.Table) -> tuple[list[tuple], np.ndarray]:
             "response_lengths",
             "finish_reasons",
         ]
+        + (["judge_scores", "judge_errors"] if judged else [])
     ).to_pydict()
     tasks, row_of_sample = [], []
     for r in range(table.num_rows):
@@ -254,7 +257,11 @@ def sample_tasks(table: pa.Table) -> tuple[list[tuple], np.ndarray]:
             columns["response_texts"][r], columns["response_lengths"][r], columns["finish_reasons"][r], strict=True
         )
         for sample_idx, (response, length, finish_reason) in enumerate(samples):
-            tasks.append((response, truth, group, sample_idx, length, finish_reason))
+            fields = group
+            if judged:
+                verdict = {"judge_score": columns["judge_scores"][r][sample_idx]}
+                fields = {**group, **verdict, "judge_error": columns["judge_errors"][r][sample_idx]}
+            tasks.append((response, truth, fields, sample_idx, length, finish_reason))
             row_of_sample.append(r)
     return tasks, np.asarray(row_of_sample, dtype=np.int64)
 
