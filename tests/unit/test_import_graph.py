@@ -15,7 +15,8 @@ LAYERS = [
     ["batchrl", "batchrl.errors", "batchrl.references"],  # the version, the user errors, 'module:function' lookup
     ["batchrl.algorithms", "batchrl.config"],  # pure functions of arrays; the validated config
     ["batchrl.storage"],  # URIs, Parquet, manifests and schemas: the storage formats
-    ["batchrl.agents", "batchrl.engines", "batchrl.rewards", "batchrl.tracking", "batchrl.trainer"],  # components
+    # components
+    ["batchrl.agents", "batchrl.engines", "batchrl.rewards", "batchrl.sandbox", "batchrl.tracking", "batchrl.trainer"],
     ["batchrl.pipeline"],  # the stage contract, shards, the runner: knows no stage
     ["batchrl.stages"],  # the stages, registered in run order
     ["batchrl.api", "batchrl.setup_steps"],  # plan and run with the built-in stages; the pipeline's setup: steps
