@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages, in run order)
+from batchrl.agents.tools import check_tools
 from batchrl.config import ConfigError, PipelineConfig, load_pipeline, validate_dict
 from batchrl.config.loader import apply_override
 from batchrl.pipeline.plan import PlannedStage, build_plan, check_from_stage
@@ -82,6 +83,7 @@ class Pipeline:
 
     def __init__(self, config: PipelineConfig):
         check_stage_calls(config)  # its user stages' calls and params, as `batchrl validate` checks them
+        check_tools(config.generate.tools)  # each tool imports and has a JSON schema, as `batchrl validate` checks
         self.config = config
 
     @classmethod

@@ -75,6 +75,10 @@ def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineC
             from batchrl.stages.user import check_stage_calls
 
             check_stage_calls(cfg, source=str(pipeline))
+        if cfg.generate.tools:  # each tool imports and has a schema (imports the references' modules)
+            from batchrl.agents.tools import check_tools
+
+            check_tools(cfg.generate.tools, source=str(pipeline))
         return cfg
     except ConfigError as err:
         typer.echo(f"config error: {err}", err=True)

@@ -12,7 +12,8 @@ import json
 from collections import Counter
 from typing import Any
 
-from batchrl.agents.loop import Conversation
+from batchrl.agents.calls import ToolTurnFormat
+from batchrl.agents.loop import Conversation, LoopSettings, run_conversations
 
 
 def conversation_columns(groups: list[list[Conversation]]) -> dict[str, list[Any]]:
@@ -66,3 +67,33 @@ def tool_stats(counts: dict[str, float]) -> dict[str, float]:
         "tools/malformed_rate": counts.get("malformed_calls", 0) / calls if calls else 0.0,
         "tools/error_rate": counts.get("tool_errors", 0) / calls if calls else 0.0,
     }
+
+
+def generate_conversations(
+    engine: Any,
+    prompt_token_ids: list[list[int]],
+    seeds: list[list[int]],
+    *,
+    sampling: Any,
+    tools: dict[str, Any],
+    settings: LoopSettings,
+    tokenizer: Any,
+) -> tuple[dict[str, list[Any]], dict[str, int]]:
+    """A shard's multi-turn rollouts: every sample of every prompt group is a conversation of one batched loop
+    (`run_conversations`); returns the response columns, grouped as the rollouts table holds them, and the counts."""
+    flat_prompts = [prompt for prompt, group in zip(prompt_token_ids, seeds, strict=True) for _ in group]
+    conversations = run_conversations(
+        engine,
+        flat_prompts,
+        [seed for group in seeds for seed in group],
+        sampling=sampling,
+        tools=tools,
+        settings=settings,
+        tokenizer=tokenizer,
+        turn_format=ToolTurnFormat.for_chat_template(getattr(tokenizer, "chat_template", None)),
+    )
+    groups, start = [], 0
+    for group in seeds:
+        groups.append(conversations[start : start + len(group)])
+        start += len(group)
+    return conversation_columns(groups), conversation_counts(conversations)

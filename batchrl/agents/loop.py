@@ -126,7 +126,7 @@ def _take_turn(
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if cut else record.text
     conversation.finish_reason = "length" if cut else record.finish_reason
     calls = parse(text) if conversation.finish_reason == "stop" else []
-    if calls and not text.endswith(CALL_STOP):
+    if calls and text.count("<tool_call>") > text.count(CALL_STOP):
         text += CALL_STOP  # the engines cut the stop string from their text; its token is in token_ids
     conversation.append(token_ids, logprobs, policy=True, text=text)
     if conversation.finish_reason == "length":

@@ -26,6 +26,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchrl.agents.columns import tool_stats
+from batchrl.agents.tools import tool_digests
 from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
 from batchrl.config import PipelineConfig
 from batchrl.config.models import fingerprint_dump
@@ -71,6 +73,8 @@ class ShardSettings:
     run_seed: int
     iteration: int
     policy_version: int | None = None  # recorded in the rollouts (None: the iteration; see behaviour_version)
+    tools: tuple[str, ...] = ()  # generate.tools: multi-turn conversations (batchrl.agents) instead of one answer
+    loop: dict[str, Any] | None = None  # batchrl.agents.loop.LoopSettings' fields, with tools
 
 
 class GenerateWorker(ShardWorker):
@@ -94,6 +98,7 @@ class GenerateWorker(ShardWorker):
         self.unreported_build_s = time.perf_counter() - started  # reported with the first shard
         logger.info("%s engine ready in %.1f s", self.engine.name, self.unreported_build_s)
         self.settings: ShardSettings | None = None
+        self.tokenizer: Any = None  # loaded by the first multi-turn shard: it encodes the tool turns
 
     def generate_shard(self, job: dict[str, str], settings: ShardSettings) -> dict[str, Any]:
         """Generates one shard with ``settings.policy``; returns the part's metadata and this call's timings."""
@@ -129,23 +134,56 @@ class GenerateWorker(ShardWorker):
             [sample_seed(s.run_seed, s.iteration, pid, i) for i in range(s.num_samples_per_prompt)]
             for pid in prompt_ids
         ]
+        prompts, sampling = table.column("prompt_token_ids").to_pylist(), SamplingSpec(**s.sampling)
         started = time.perf_counter()
-        groups = self.engine.generate(
-            table.column("prompt_token_ids").to_pylist(), seeds=seeds, sampling=SamplingSpec(**s.sampling)
-        )
+        if s.tools:
+            columns, counts = self.converse(prompts, seeds, sampling=sampling)
+        else:
+            groups = self.engine.generate(prompts, seeds=seeds, sampling=sampling)
+            columns, counts = single_turn_columns(groups), {}
         elapsed = time.perf_counter() - started
         out = without_logged(table, keep_rewards=False)
-        for name, values in {
-            "response_texts": [[r.text for r in g] for g in groups],
-            "response_token_ids": [[r.token_ids for r in g] for g in groups],
-            "response_logprobs": [[r.logprobs for r in g] for g in groups],
-            "finish_reasons": [[r.finish_reason for r in g] for g in groups],
-            "response_lengths": [[len(r.token_ids) for r in g] for g in groups],
-            "sample_seeds": seeds,
-            "policy_version": [s.iteration if s.policy_version is None else s.policy_version] * table.num_rows,
-        }.items():
+        columns["sample_seeds"] = seeds
+        columns["policy_version"] = [s.iteration if s.policy_version is None else s.policy_version] * table.num_rows
+        for name, values in columns.items():
             out = out.append_column(name, pa.array(values))
-        return out, summarize_rollouts(out) | {"engine_time_s": elapsed}
+        return out, summarize_rollouts(out) | counts | {"engine_time_s": elapsed}
+
+    def converse(
+        self, prompts: list[list[int]], seeds: list[list[int]], *, sampling: Any
+    ) -> tuple[dict[str, list[Any]], dict[str, int]]:
+        """generate.tools: each sample is a conversation of the agent loop (batchrl.agents), batched per turn."""
+        from transformers import AutoTokenizer
+
+        from batchrl.agents.columns import generate_conversations
+        from batchrl.agents.loop import LoopSettings
+        from batchrl.agents.tools import load_tools
+
+        if self.tokenizer is None:
+            trust = dict(self.spec.engine_kwargs).get("trust_remote_code", False)
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                local_copy(self.spec.initial_policy), trust_remote_code=trust
+            )
+        return generate_conversations(
+            self.engine,
+            prompts,
+            seeds,
+            sampling=sampling,
+            tools=load_tools(list(self.settings.tools)),
+            settings=LoopSettings(**self.settings.loop),
+            tokenizer=self.tokenizer,
+        )
+
+
+def single_turn_columns(groups: list[list[Any]]) -> dict[str, list[Any]]:
+    """The response columns of one answer per sample (the engine's SampleRecords, grouped per prompt)."""
+    return {
+        "response_texts": [[r.text for r in g] for g in groups],
+        "response_token_ids": [[r.token_ids for r in g] for g in groups],
+        "response_logprobs": [[r.logprobs for r in g] for g in groups],
+        "finish_reasons": [[r.finish_reason for r in g] for g in groups],
+        "response_lengths": [[len(r.token_ids) for r in g] for g in groups],
+    }
 
 
 class LoggedRolloutsWorker(ShardWorker):
@@ -291,11 +329,17 @@ class GenerateStage(Stage):
         # batch_rows: batches take rows shuffled inside each part (batches.row_order), not contiguous slices as
         # before; the key redoes the iterations of a batched run made before, whose batches held other prompts
         batches = {"prompts_per_iteration": cfg.data.prompts_per_iteration, "batch_rows": "row_order"}
-        return {
-            "generate": fingerprint_dump(cfg.generate, exclude_defaults=True),
-            "seed": cfg.run.seed,
-            "dtype": cfg.model.dtype,
-        } | (batches if cfg.data.prompts_per_iteration else {})
+        # tools: the source of each user tool's module, so that editing a tool regenerates (as custom rewards rescore)
+        tools = {"tool_sources": tool_digests(cfg.generate.tools)} if cfg.generate.tools else {}
+        return (
+            {
+                "generate": fingerprint_dump(cfg.generate, exclude_defaults=True),
+                "seed": cfg.run.seed,
+                "dtype": cfg.model.dtype,
+            }
+            | (batches if cfg.data.prompts_per_iteration else {})
+            | tools
+        )
 
     def iteration_count(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> int | None:
         prompts = tables.get("prompts")
@@ -351,6 +395,7 @@ class GenerateStage(Stage):
                     "max_new_tokens": g.max_new_tokens,
                     "stop": tuple(g.stop),
                 },
+                **loop_settings(g),
             )
             deadlines = DeadlineStats()
             with FinishedShards(jobs, output_dir=ctx.output_dir, parts=parts, counts=counts) as finished:
@@ -437,13 +482,27 @@ def engine_spec(cfg: PipelineConfig) -> EngineSpec:
         engine=g.engine,
         initial_policy=cfg.model.path,
         dtype=cfg.model.dtype,
-        max_model_len=g.max_model_len or cfg.data.max_prompt_tokens + g.max_new_tokens,
+        max_model_len=g.max_model_len or cfg.data.max_prompt_tokens + g.response_token_budget(),
         engine_kwargs=tuple(sorted(engine_kwargs.items())),
     )
 
 
+def loop_settings(g: Any) -> dict[str, Any]:
+    """ShardSettings' tools and loop fields from the generate section (none without tools: single-turn)."""
+    if not g.tools:
+        return {}
+    loop = {
+        "max_turns": g.max_turns,
+        "max_response_tokens": g.response_token_budget(),
+        "tool_timeout_s": g.tool_timeout_s,
+        "max_parallel_tool_calls": g.max_parallel_tool_calls,
+        "stop_on_tool_error": g.stop_on_tool_error,
+    }
+    return {"tools": tuple(g.tools), "loop": loop}
+
+
 def _stats(counts: dict[str, float], timings: list[dict[str, float]]) -> dict[str, float]:
-    stats: dict[str, float] = {}
+    stats: dict[str, float] = tool_stats(counts)
     if counts.get("num_samples"):
         stats["response_length/mean"] = counts["response_tokens"] / counts["num_samples"]
         stats["response_length/max"] = counts["response_length_max"]
