@@ -31,7 +31,7 @@ from batchrl.stages.advantage_group import group_moments, group_output
 from batchrl.stages.advantage_kl import reward_kl_for
 from batchrl.stages.advantage_metrics import advantage_stats, manifest_counts, shard_counts
 from batchrl.stages.advantage_moments import global_moments
-from batchrl.storage import read_parquet
+from batchrl.storage import open_parquet, read_parquet
 from batchrl.storage.manifest import Manifest
 
 
@@ -46,8 +46,11 @@ class KindCode:
 
 
 KINDS = {
-    "group": KindCode(["scores", "response_lengths"], group_moments, group_output, lambda counts: {}),
-    "token": KindCode(["scores", "response_token_ids", "values"], token_moments, token_output, gae_stats),
+    # response_masks: a multi-turn sample's moments count the policy's tokens only (read where the table has it)
+    "group": KindCode(["scores", "response_lengths", "response_masks"], group_moments, group_output, lambda c: {}),
+    "token": KindCode(
+        ["scores", "response_token_ids", "values", "response_masks"], token_moments, token_output, gae_stats
+    ),
 }
 
 
@@ -89,13 +92,22 @@ class MomentsWorker:
         columns = None if self.reward_kl is not None else self.kind.moment_columns
         out: dict[str, list] = {"name": [], "moments_json": []}
         for uri, name in zip(batch["input_uri"], batch["name"]):
-            moments = self.kind.moments(read_parquet(str(uri), columns=columns), self.cfg, self.reward_kl)
+            moments = self.kind.moments(read_columns(str(uri), columns), self.cfg, self.reward_kl)
             out["name"].append(str(name))
             out["moments_json"].append(json.dumps(dataclasses.asdict(moments)))
         return out
 
     def close(self) -> None:
         """Nothing to release (called when it ran in the driver)."""
+
+
+def read_columns(uri: str, columns: list[str] | None) -> pa.Table:
+    """The part's ``columns`` that it has (all with None): a table written before a column existed lacks it."""
+    if columns is None:
+        return read_parquet(uri)
+    with open_parquet(uri) as parquet:
+        names = parquet.schema_arrow.names
+    return read_parquet(uri, columns=[c for c in columns if c in names])
 
 
 class AdvantageStage(Stage):

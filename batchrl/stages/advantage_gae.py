@@ -21,7 +21,7 @@ from batchrl.algorithms.gae import token_level_rewards
 from batchrl.config.models import AdvantageConfig
 from batchrl.errors import DataError
 from batchrl.stages.advantage_kl import RewardKL
-from batchrl.stages.advantage_table import explode_groups
+from batchrl.stages.advantage_table import explode_groups, has_masks, sample_masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,8 @@ class GaeShard:
     with T the longest response; advantages not yet whitened."""
 
     table: pa.Table
-    mask_NT: np.ndarray
+    mask_NT: np.ndarray  # the policy's response tokens (holes at a multi-turn sample's tool tokens)
+    response_lengths_N: np.ndarray  # every response token, tool tokens included: the per-token lists' lengths
     values_NT: np.ndarray
     advantages_NT: np.ndarray
     returns_NT: np.ndarray
@@ -38,6 +39,7 @@ class GaeShard:
 
     @property
     def lengths_N(self) -> np.ndarray:
+        """The policy's tokens of each sample."""
         return self.mask_NT.sum(axis=1)
 
 
@@ -53,6 +55,9 @@ def gae_shard(table: pa.Table, cfg: AdvantageConfig, reward_kl: RewardKL | None)
     values = [v for group in table.column("values").to_pylist() for v in group]
     num_tokens = int(max(1, lengths_N.max(initial=0)))
     mask_NT = np.arange(num_tokens)[None, :] < lengths_N[:, None]
+    response_NT, reward_lengths_N = mask_NT, lengths_N
+    if has_masks(table):  # multi-turn: GAE's holes at the tool tokens, the score on the policy's last token
+        mask_NT, reward_lengths_N = policy_mask_NT(table, lengths_N, num_tokens)
     values_NT = np.zeros(mask_NT.shape)
     for i, sample_values in enumerate(values):
         if len(sample_values) != lengths_N[i]:
@@ -67,14 +72,30 @@ def gae_shard(table: pa.Table, cfg: AdvantageConfig, reward_kl: RewardKL | None)
 
         kl_flat, offsets_N1 = reward_kl.token_kl(table)
         kl_NT = np.zeros(mask_NT.shape)
-        kl_NT[mask_NT] = kl_flat  # row-major: sample i's tokens in order, as the flat layout
+        kl_NT[response_NT] = kl_flat  # row-major: sample i's tokens in order, as the flat layout
         reward_kl_N = sample_sums(kl_flat, offsets_N1)
+    # up to the policy's last token the KL (0 on tool tokens) is charged as on every response token
     rewards_NT = token_level_rewards(
-        scores_N, lengths_N, num_tokens=num_tokens, kl_NT=kl_NT, kl_coef=cfg.kl_in_reward_coef
+        scores_N, reward_lengths_N, num_tokens=num_tokens, kl_NT=kl_NT, kl_coef=cfg.kl_in_reward_coef
     )
     entry = ESTIMATORS[cfg.estimator]
     advantages_NT, returns_NT = entry.advantages(rewards_NT, values_NT, mask_NT, **entry.options_from(cfg))
-    return GaeShard(table, mask_NT, values_NT, advantages_NT, returns_NT, reward_kl_N)
+    return GaeShard(table, mask_NT, lengths_N, values_NT, advantages_NT, returns_NT, reward_kl_N)
+
+
+def policy_mask_NT(table: pa.Table, lengths_N: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """([N, T] True on the tokens the policy wrote, [N] one past each sample's last such token: where its score
+    goes, so that a conversation ending on a tool's answer still rewards the policy's last action)."""
+    mask_NT = np.arange(num_tokens)[None, :] < lengths_N[:, None]
+    for i, mask in enumerate(sample_masks(table).to_pylist()):
+        if mask is None:
+            continue
+        if len(mask) != lengths_N[i]:
+            raise DataError(f"a response_masks entry has {len(mask)} values for a response of {lengths_N[i]} tokens")
+        mask_NT[i, : lengths_N[i]] = np.asarray(mask) != 0
+    written_N = mask_NT.any(axis=1)
+    last_N = np.where(written_N, num_tokens - np.argmax(mask_NT[:, ::-1], axis=1), 0)
+    return mask_NT, last_N
 
 
 def gae_output(shard: GaeShard, moments: BatchMoments, *, eps: float) -> tuple[pa.Table, dict[str, float]]:
@@ -82,7 +103,7 @@ def gae_output(shard: GaeShard, moments: BatchMoments, *, eps: float) -> tuple[p
     targets: not whitened); ``advantage`` is the first token's. Counts: the sums the stage's metrics need."""
     mask_NT = shard.mask_NT
     whitened_NT = whiten(shard.advantages_NT, eps=eps, weights=mask_NT.astype(np.float64), moments=moments)
-    lengths_N = mask_NT.sum(axis=1)
+    lengths_N = shard.response_lengths_N
     first_N = np.where(lengths_N > 0, whitened_NT[:, 0], 0.0)
     out = explode_groups(shard.table, first_N, reward_kl_PG=shard.reward_kl_N)
 

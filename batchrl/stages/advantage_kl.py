@@ -1,7 +1,8 @@
 """KL folded into the reward (``advantage.kl_in_reward_coef``): the reference model's pass in the advantage stage.
 
 Each sample's reward becomes its score minus coef x its summed per-token KL(behaviour || reference), before the
-estimator sees it (GAE: coef x KL charged on every response token). The behaviour side is the rollout's own
+estimator sees it (GAE: coef x KL charged on every response token the policy wrote: a multi-turn sample's tool
+tokens are charged nothing, their behaviour log-probs are placeholders). The behaviour side is the rollout's own
 per-token log-probs (the policy that sampled them); the reference side is computed here by the reference model
 (``model.path``, as the update's KL loss), loaded once per worker. Filtering still looks at the scores (a group
 whose answers all fail is still without signal, whatever its KL).
@@ -43,8 +44,8 @@ class RewardKL:
         return sample_sums(kl_flat, offsets_N1).reshape(groups.rewards_PG.shape)  # samples in row-major [P, n] order
 
     def token_kl(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-        """(per-token KL of every response token of a group table's samples, row-major, flat float64; the offsets
-        of each sample's tokens in it)."""
+        """(per-token KL of every response token of a group table's samples, row-major, flat float64, 0 on a
+        multi-turn sample's tool tokens; the offsets of each sample's tokens in it)."""
         import torch
 
         from batchrl.algorithms.kl import kl_penalty
@@ -73,6 +74,8 @@ class RewardKL:
             .double()
             .numpy()
         )
+        if samples.response_masks:  # a tool's tokens are no action of the policy: no KL charged on them
+            kl_flat = np.where(samples.flat_policy_mask(), kl_flat, 0.0)
         return kl_flat, samples.response_offsets_N1
 
 

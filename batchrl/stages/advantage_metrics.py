@@ -25,7 +25,18 @@ def shard_counts(table: pa.Table, out: pa.Table) -> dict[str, float]:
         | {"logprobs_missing": missing_logprobs(out)}
         | policy_version_counts(out)
         | score_counts(table)
+        | tool_token_counts(out)
     )
+
+
+def tool_token_counts(out: pa.Table) -> dict[str, float]:
+    """With multi-turn samples (a ``response_mask``), the response tokens the policy wrote and those tools
+    appended; nothing for single-turn tables (their metrics stay as they were)."""
+    if "response_mask" not in out.column_names or out.column("response_mask").null_count == out.num_rows:
+        return {}
+    tool = int((pc.list_flatten(out.column("response_mask")).to_numpy(zero_copy_only=False) == 0).sum())
+    total = int(pc.list_value_length(out.column("response_token_ids")).fill_null(0).to_numpy().sum())
+    return {"advantage_policy_tokens": float(total - tool), "advantage_tool_tokens": float(tool)}
 
 
 def score_counts(table: pa.Table) -> dict[str, float]:
@@ -97,6 +108,9 @@ def advantage_stats(
             "critic/score/min": counts["score_min"],
         }
     stats |= kind_stats
+    if n and "advantage_tool_tokens" in counts:  # multi-turn: what the update trains on, and the context it skips
+        stats["response_length/policy_tokens_mean"] = counts["advantage_policy_tokens"] / n
+        stats["response_length/tool_tokens_mean"] = counts["advantage_tool_tokens"] / n
     if counts.get("version_samples"):  # versions behind policy(i-1), the policy the update trains (version i)
         stats["update/policy_lag_mean"] = iteration - counts["version_sum"] / counts["version_samples"]
         stats["update/policy_lag_max"] = float(iteration - counts["version_oldest_min"])

@@ -24,7 +24,7 @@ class ShardGroups:
 
     table: pa.Table  # kept rows (groups) of the scores shard
     rewards_PG: np.ndarray
-    lengths_PG: np.ndarray
+    lengths_PG: np.ndarray  # the policy's response tokens of each sample (a multi-turn sample's tool tokens left out)
     num_filtered: int
 
 
@@ -39,7 +39,7 @@ def shard_groups(table: pa.Table, *, filter_groups: bool) -> ShardGroups:
         which = f"prompt {ids[empty[0]].as_py()!r}" if ids is not None else f"the group in row {empty[0]}"
         raise DataError(f"{which} has no samples: every group needs at least one")
     rewards_PG = np.asarray(scores, dtype=np.float64).reshape(table.num_rows, -1)
-    lengths_PG = np.asarray(table.column("response_lengths").to_pylist(), dtype=np.float64).reshape(rewards_PG.shape)
+    lengths_PG = policy_token_counts(table).reshape(rewards_PG.shape)
     keep_P = dynamic_sampling_mask(rewards_PG) if filter_groups and table.num_rows else np.ones(table.num_rows, bool)
     return ShardGroups(
         table=table.filter(pa.array(keep_P)),
@@ -125,12 +125,34 @@ def explode_groups(table: pa.Table, advantages_PG: np.ndarray, *, reward_kl_PG: 
 MASK_TYPE = pa.list_(pa.int32())
 
 
+def has_masks(table: pa.Table) -> bool:
+    """Whether some group of the table has policy masks (multi-turn rollouts)."""
+    return "response_masks" in table.column_names and table.column("response_masks").null_count < table.num_rows
+
+
+def policy_token_counts(table: pa.Table) -> np.ndarray:
+    """Flat float64 [samples]: each sample's tokens the policy wrote, its response length where it has no mask. What
+    token-weighted statistics (whitening's moments, per-token KL means) count: a tool's tokens are not the policy's."""
+    lengths = table.column("response_lengths").to_pylist()
+    if not has_masks(table):
+        return np.asarray([n for group in lengths for n in group], dtype=np.float64)
+    groups = zip(table.column("response_masks").to_pylist(), lengths)
+    return np.asarray(
+        [
+            sum(1 for x in m if x) if m is not None else n
+            for masks, group in groups
+            for m, n in zip(masks or [None] * len(group), group)
+        ],
+        dtype=np.float64,
+    )
+
+
 def sample_masks(table: pa.Table) -> pa.Array:
     """Each sample's policy-token mask (the rollouts' ``response_masks``), flat in the samples' order: null for a
     sample whose group has none (single-turn or logged: every token is the policy's), so a table without masks
     keeps an all-null column, as before the column existed."""
     num_samples = sum(len(g) for g in table.column("scores").to_pylist())
-    if "response_masks" not in table.column_names or table.column("response_masks").null_count == table.num_rows:
+    if not has_masks(table):
         return pa.nulls(num_samples, MASK_TYPE)
     groups = zip(table.column("response_masks").to_pylist(), table.column("scores").to_pylist())
     return pa.array(

@@ -119,7 +119,8 @@ def load_trainer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def logprobs_table(rows: Samples, *, old_flat: np.ndarray, ref_flat: np.ndarray | None) -> pa.Table:
     """One row per sample of `rows` with the per-token old/reference log-probs the loss used, and their sums.
 
-    Sums run over loss tokens only (a first response token with no prompt before it is excluded).
+    Sums run over loss tokens only (a first response token with no prompt before it is excluded, and the tool
+    tokens of a multi-turn sample); the lists hold every response token's.
     """
     offsets = rows.response_offsets_N1
     loss_tokens_N = rows.loss_tokens_N
@@ -127,11 +128,12 @@ def logprobs_table(rows: Samples, *, old_flat: np.ndarray, ref_flat: np.ndarray 
     for i in range(rows.num_samples):
         start, end = int(offsets[i]), int(offsets[i + 1])
         skip_first = int(end - start > loss_tokens_N[i])
+        keep = rows.loss_mask(i) if rows.response_masks else None
         old_lists.append(old_flat[start:end])
-        old_sums.append(float(old_flat[start + skip_first : end].astype(np.float64).sum()))
+        old_sums.append(_loss_sum(old_flat[start:end], skip_first, keep))
         if ref_flat is not None:
             ref_lists.append(ref_flat[start:end])
-            ref_sums.append(float(ref_flat[start + skip_first : end].astype(np.float64).sum()))
+            ref_sums.append(_loss_sum(ref_flat[start:end], skip_first, keep))
     return pa.table(
         {
             "prompt_id": rows.prompt_ids,
@@ -144,6 +146,11 @@ def logprobs_table(rows: Samples, *, old_flat: np.ndarray, ref_flat: np.ndarray 
         },
         schema=LOGPROBS_SCHEMA,
     )
+
+
+def _loss_sum(values: np.ndarray, skip_first: int, keep: np.ndarray | None) -> float:
+    """Sum of a sample's values over its loss tokens: past ``skip_first`` or, with a policy mask, where ``keep``."""
+    return float((values[skip_first:] if keep is None else values[keep]).astype(np.float64).sum())
 
 
 class LogprobsWriter:

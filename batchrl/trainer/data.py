@@ -9,6 +9,9 @@ Micro-batch layout (`MicroBatch`): the model input is right-padded rows, one per
 samples that share a prompt (prompt once, then their responses: see `collate_packs`); everything the loss
 needs is gathered into [samples, response tokens] tensors, so the loss code is the same for both. A response
 token with no predictor (the first one after an empty prompt) is outside the loss mask and its values are 0.
+So is a tool token of a multi-turn sample (``response_masks``, 0 where a tool wrote the token, as verl's
+``response_mask``): it stays in the row, so the policy's later tokens see it as context, but no loss, KL, entropy,
+clip fraction or token count includes it. Masking rather than dropping keeps the input ids the engine's exactly.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Samples:
     response_offsets_N1: np.ndarray  # int64 [N + 1], offsets of each response in flat per-token arrays
     # per-token list columns read besides the tokens (GAE's token_advantages, values, returns), by column name
     token_lists: dict[str, Sequence[Sequence[float]]] = field(default_factory=dict)
+    # per sample, 1 on policy tokens and 0 on tool tokens (the table's response_mask); empty: all the policy's
+    response_masks: Sequence[Sequence[int]] = ()
 
     @property
     def num_samples(self) -> int:
@@ -67,11 +72,37 @@ class Samples:
 
     @cached_property
     def loss_tokens_N(self) -> np.ndarray:
-        """Response tokens per sample that are in the loss (all but a first token with no prompt before it)."""
+        """Response tokens per sample that are in the loss: the policy's (`policy_mask`), but a first token with
+        no prompt before it."""
+        if self.response_masks:
+            return np.array([int(self.loss_mask(i).sum()) for i in range(self.num_samples)], dtype=np.int64)
         return np.array(
             [len(r) - (len(p) == 0 and len(r) > 0) for p, r in zip(self.prompt_token_ids, self.response_token_ids)],
             dtype=np.int64,
         )
+
+    def policy_mask(self, i: int) -> np.ndarray:
+        """Sample i's response tokens the policy wrote (bool, one per token): all of them without a mask."""
+        mask, num_response = (self.response_masks[i] if self.response_masks else ()), len(self.response_token_ids[i])
+        if mask is None or not len(mask):
+            return np.ones(num_response, dtype=bool)
+        if len(mask) != num_response:
+            raise ValueError(
+                f"sample ({self.prompt_ids[i]!r}, {self.sample_idx[i]}) has {len(mask)} response_mask entries for "
+                f"{num_response} response tokens; the mask must have one entry per response token"
+            )
+        return np.asarray(mask) != 0
+
+    def loss_mask(self, i: int) -> np.ndarray:
+        """Sample i's response tokens in the loss: the policy's, but a first token with no prompt before it."""
+        mask = self.policy_mask(i)
+        if not len(self.prompt_token_ids[i]):
+            mask[:1] = False
+        return mask
+
+    def flat_policy_mask(self) -> np.ndarray:
+        """`policy_mask` of every sample, flat like the responses (`response_offsets_N1`)."""
+        return np.concatenate([self.policy_mask(i) for i in range(self.num_samples)] + [np.zeros(0, bool)])
 
     def flat_token_list(self, name: str) -> np.ndarray:
         """A per-token list column (``token_lists``: GAE's token_advantages, values, returns) as one flat float32
@@ -127,7 +158,16 @@ def samples_from_groups(table: pa.Table) -> Samples:
         advantages_N=np.zeros(len(responses)),
         group_N=np.repeat(np.arange(len(groups)), [len(g) for g in groups]).astype(np.int64),
         response_offsets_N1=offsets,
+        response_masks=_group_masks(table, groups),
     )
+
+
+def _group_masks(table: pa.Table, groups: list[list]) -> list:
+    """The samples' policy masks of a group table (``response_masks``), flat; () where no group has one."""
+    if "response_masks" not in table.column_names or table.column("response_masks").null_count == table.num_rows:
+        return ()
+    masks = table.column("response_masks").to_pylist()
+    return [m for group_masks, group in zip(masks, groups) for m in (group_masks or [None] * len(group))]
 
 
 def sample_sums(flat: np.ndarray, offsets_N1: np.ndarray) -> np.ndarray:
@@ -152,6 +192,7 @@ def samples_from_table(table: pa.Table) -> Samples:
         advantages_N=np.asarray(columns["advantage"], dtype=np.float64),
         group_N=group_N.astype(np.int64),
         response_offsets_N1=response_offsets_N1,
+        response_masks=columns["response_mask"] if any(columns.get("response_mask") or ()) else (),
     )
 
 
@@ -174,7 +215,8 @@ class MicroBatch:
     logit_rows_S: torch.Tensor  # [S] the input row of each sample
     logit_positions_SR: torch.Tensor  # [S, R] the position whose logits predict response token j (0 if masked)
     labels_SR: torch.Tensor  # [S, R] the response tokens (the pad id where masked)
-    response_mask_SR: torch.Tensor  # [S, R] True on response tokens that have a predictor
+    response_mask_SR: torch.Tensor  # [S, R] True on the loss's tokens: the policy's response tokens with a predictor
+    scored_SR: torch.Tensor  # [S, R] True on response tokens that have a predictor (tool tokens too: their log-prob)
     advantages_SR: torch.Tensor  # [S, R] the sample's advantage on its response tokens
     token_values_SR: dict[str, torch.Tensor]  # per-token arrays (old/ref/rollout log-probs) in the same layout
 
@@ -232,6 +274,7 @@ def collate_packs(
     logit_positions_SR = torch.zeros((num_samples, max_response), dtype=torch.long)
     labels_SR = torch.full((num_samples, max_response), pad_token_id, dtype=torch.long)
     response_mask_SR = torch.zeros((num_samples, max_response), dtype=torch.bool)
+    scored_SR = torch.zeros((num_samples, max_response), dtype=torch.bool)
     advantages_SR = torch.zeros((num_samples, max_response), dtype=torch.float32)
     values_SR = {name: torch.zeros((num_samples, max_response), dtype=torch.float32) for name in token_values}
     s = 0
@@ -255,7 +298,10 @@ def collate_packs(
                 predictors[0] = num_prompt - 1
             logit_positions_SR[s, :num_response] = predictors.clamp(min=0)
             labels_SR[s, :num_response] = torch.tensor(response, dtype=torch.long)
-            response_mask_SR[s, :num_response] = predictors >= 0
+            scored_SR[s, :num_response] = predictors >= 0
+            response_mask_SR[s, :num_response] = scored_SR[s, :num_response]
+            if samples.response_masks:  # tool tokens stay in the row as context, outside the loss
+                response_mask_SR[s, :num_response] &= torch.from_numpy(samples.policy_mask(i))
             advantages_SR[s, :num_response] = float(samples.advantages_N[i])
             offset = int(samples.response_offsets_N1[i])
             for name, flat in token_values.items():
@@ -286,6 +332,7 @@ def collate_packs(
         logit_positions_SR=logit_positions_SR.to(device),
         labels_SR=labels_SR.to(device),
         response_mask_SR=response_mask_SR.to(device),
+        scored_SR=scored_SR.to(device),
         advantages_SR=advantages_SR.to(device),
         token_values_SR={name: values.to(device) for name, values in values_SR.items()},
     )
@@ -303,7 +350,7 @@ def response_logits(logits_BLV: torch.Tensor, mb: MicroBatch, *, first_position:
 
 def first_logit_position(mb: MicroBatch) -> int:
     """The first input position whose logits any response token needs: positions before it need no lm_head."""
-    return int(mb.logit_positions_SR[mb.response_mask_SR].min()) if bool(mb.response_mask_SR.any()) else 0
+    return int(mb.logit_positions_SR[mb.scored_SR].min()) if bool(mb.scored_SR.any()) else 0
 
 
 def scatter_response_values(

@@ -45,6 +45,7 @@ ADVANTAGE_COLUMNS = (
 )
 # length column -> the list column it counts
 LENGTH_COLUMNS = {"prompt_length": "prompt_token_ids", "response_length": "response_token_ids"}
+MASK_COLUMN = "response_mask"  # 1 policy token, 0 tool token; null: all the policy's (single-turn)
 SCAN_BATCH_ROWS = 4096  # rows per streamed batch of a list column: bounds a column pass's memory
 
 
@@ -74,6 +75,8 @@ class SampleIndex:
     response_lengths_N: np.ndarray  # int64
     advantages_N: np.ndarray  # float64 (a null is NaN)
     group_N: np.ndarray  # int64, the prompt group number of each sample (0..num_groups-1, in prompt_id order)
+    # int64, tool tokens (response_mask 0) per sample that would otherwise be loss tokens; None: no sample has any
+    tool_tokens_N: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -97,8 +100,15 @@ class SampleIndex:
 
     @property
     def loss_tokens_N(self) -> np.ndarray:
-        """Response tokens per sample that are in the loss (all but a first token with no prompt before it)."""
-        return self.response_lengths_N - ((self.prompt_lengths_N == 0) & (self.response_lengths_N > 0))
+        """Response tokens per sample that are in the loss: all but a first token with no prompt before it, and but
+        the tool tokens of a multi-turn sample (`tool_tokens_N`). Token-mean losses and token budgets' counts."""
+        loss_tokens_N = self.response_lengths_N - ((self.prompt_lengths_N == 0) & (self.response_lengths_N > 0))
+        return loss_tokens_N if self.tool_tokens_N is None else loss_tokens_N - self.tool_tokens_N
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether some sample has a response_mask (multi-turn): the rows must then be read with their masks."""
+        return self.tool_tokens_N is not None
 
     def rows_of_part(self, part: int) -> np.ndarray:
         """Positions in the index of part `part`'s samples, in the part's row order."""
@@ -138,6 +148,11 @@ def read_index(files: list[str]) -> SampleIndex:
         response_lengths_N=column("response_length", np.int64),
         advantages_N=table.column("advantage").to_numpy().astype(np.float64),
         group_N=group_N,
+        tool_tokens_N=(
+            table.column("tool_tokens").fill_null(0).to_numpy().astype(np.int64)
+            if "tool_tokens" in table.column_names
+            else None
+        ),
     )
 
 
@@ -157,10 +172,43 @@ def _part_index(uri: str, part: int) -> tuple[pa.Table, pq.FileMetaData]:
                     [_list_lengths(batch.column(0)) for batch in _batches(parquet, list_column)], pa.int32()
                 )
             table = table.append_column(length_column, lengths.cast(pa.int64()))
+        if MASK_COLUMN in names:
+            lengths = {name: table.column(name).to_numpy() for name in ("response_length", "prompt_length")}
+            tool_tokens = _tool_tokens(parquet, lengths["response_length"], lengths["prompt_length"])
+            if tool_tokens is not None:
+                table = table.append_column("tool_tokens", pa.array(tool_tokens))
         num_rows = table.num_rows
         table = table.append_column("part", pa.array(np.full(num_rows, part, np.int64)))
         table = table.append_column("row", pa.array(np.arange(num_rows, dtype=np.int64)))
         return table, parquet.metadata
+
+
+def _tool_tokens(parquet: pq.ParquetFile, expected_R: np.ndarray, prompt_lengths_R: np.ndarray) -> np.ndarray | None:
+    """Per row, the 0s of its response_mask (tool tokens), but one at position 0 after an empty prompt (that token
+    has no predictor: out of the loss already); None where every mask is null (single-turn). A mask of another
+    length than its response is the user's data error."""
+    counts, start, any_mask = [], 0, False
+    for batch in _batches(parquet, MASK_COLUMN):
+        values = batch.column(0)
+        rows = slice(start, start + len(values))
+        any_mask |= values.null_count < len(values)
+        lengths = _list_lengths(values).to_numpy().astype(np.int64)
+        wrong = values.is_valid().to_numpy(zero_copy_only=False) & (lengths != expected_R[rows])
+        if wrong.any():
+            raise ValueError(
+                f"{int(wrong.sum())} row(s) have another number of response_mask entries than response tokens; the "
+                "mask must have one entry per response token (1 policy, 0 tool)"
+            )
+        is_zero = pc.list_flatten(values).to_numpy(zero_copy_only=False) == 0
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        zeros_before = np.concatenate([[0], np.cumsum(is_zero)])
+        first_zero = np.zeros(len(lengths), bool)
+        first_zero[lengths > 0] = is_zero[offsets[:-1][lengths > 0]]
+        counts.append(
+            zeros_before[offsets[1:]] - zeros_before[offsets[:-1]] - (first_zero & (prompt_lengths_R[rows] == 0))
+        )
+        start += len(values)
+    return np.concatenate(counts).astype(np.int64) if any_mask else None
 
 
 def _batches(parquet: pq.ParquetFile, column: str) -> Iterator[pa.RecordBatch]:

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchrl.trainer.data import Samples
-from batchrl.trainer.index import SampleIndex, open_parquet
+from batchrl.trainer.index import MASK_COLUMN, SampleIndex, open_parquet
 
 LIST_COLUMNS = ("prompt_token_ids", "response_token_ids")
 
@@ -29,6 +29,8 @@ class RowReader:
         self.index = index
         self.token_columns = tuple(token_columns)  # per-token float lists (GAE), in Samples.token_lists
         self.columns = LIST_COLUMNS + (("response_logprobs",) if with_rollout_logprobs else ()) + self.token_columns
+        if index.has_masks:  # multi-turn rows: which response tokens the policy wrote (the loss skips the others)
+            self.columns += (MASK_COLUMN,)
         # first row of each row group, per part (from the footers the index read)
         self._group_starts = [
             np.cumsum([0] + [footer.row_group(g).num_rows for g in range(footer.num_row_groups)])
@@ -58,6 +60,7 @@ class RowReader:
             group_N=index.group_N[indices],
             response_offsets_N1=response_offsets_N1,
             token_lists={column: lists[column] for column in self.token_columns},
+            response_masks=lists.get(MASK_COLUMN, ()),
         )
 
     def _read_part(self, part: int, rows_R: np.ndarray) -> dict[str, list[np.ndarray]]:
