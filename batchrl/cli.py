@@ -457,6 +457,12 @@ def inspect(
     typer.echo(str(first.schema))
     for row in first.slice(0, rows).to_pylist():
         typer.echo(json.dumps(row, default=str)[:2000])
+        if row.get("num_turns") is not None:  # a multi-turn rollout: its conversations turn by turn
+            from batchrl.agents.columns import conversation_lines
+
+            for index, fields in enumerate(zip(row["response_texts"], row["tool_calls"], row["stop_statuses"])):
+                typer.echo(f"sample {index}:")
+                typer.echo("\n".join(conversation_lines(fields[0], fields[1], status=fields[2])))
 
 
 def _inspected_files(table: str):

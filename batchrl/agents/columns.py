@@ -9,6 +9,7 @@ schemas declare scalars and lists only, and a call's arguments have no fixed sha
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from typing import Any
 
@@ -97,3 +98,27 @@ def generate_conversations(
         groups.append(conversations[start : start + len(group)])
         start += len(group)
     return conversation_columns(groups), conversation_counts(conversations)
+
+
+# A tool turn as `ToolTurnFormat` writes it (plain or ChatML), to split a response's text into its turns for reading
+_TOOL_TURN = re.compile(
+    r"(?:<\|im_end\|>\n<\|im_start\|>user)?(?:\n<tool_response>\n.*?\n</tool_response>)+"
+    r"(?:<\|im_end\|>\n<\|im_start\|>assistant\n|\n)",
+    re.S,
+)
+
+
+def conversation_lines(text: str, calls_json: str | None, *, status: str | None) -> list[str]:
+    """A multi-turn sample for reading (`batchrl inspect`): each policy turn, then each of its tool calls with the
+    output or error the policy read, marked ``[tool]``. Split from the stored text by the tool turns' form: a policy
+    that writes a <tool_response> itself can shift the split, which only this display would show."""
+    calls = json.loads(calls_json) if calls_json else []
+    policy_turns = _TOOL_TURN.split(text)
+    lines = []
+    for turn, policy_text in enumerate(policy_turns):
+        lines.append(f"  [turn {turn}] policy: {policy_text!r}")
+        for call in (c for c in calls if c.get("turn") == turn):
+            answer = call["output"] if call.get("error") is None else f"ERROR {call['error']}: {call.get('detail', '')}"
+            lines.append(f"  [tool] {call.get('name')}({json.dumps(call.get('arguments'))}) -> {answer!r}")
+    lines.append(f"  [end] {status}")
+    return lines

@@ -82,3 +82,27 @@ def test_the_fingerprint_holds_the_user_tools_sources_and_is_unchanged_without_t
     cfg = tools_config(tmp_path, toy_model_dir, toy_prompts_dir, tools=["calculator", "test_agent_loop:count"])
     sources = GenerateStage().fingerprint_config(cfg)["tool_sources"]
     assert list(sources) == ["test_agent_loop:count"] and len(sources["test_agent_loop:count"]) == 16
+
+
+def test_inspect_shows_a_multi_turn_sample_turn_by_turn_with_the_tool_outputs_marked(runs, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from harness import cli
+
+    from batchrl.agents.calls import ToolTurnFormat
+    from batchrl.storage.schemas import conform
+
+    _, (_, rows), _, _ = runs
+    call = {"name": "calculator", "arguments": {"expression": "6*7"}, "output": "42", "error": None, "turn": 0}
+    text = '<tool_call>{"name": "calculator", ...}</tool_call>' + ToolTurnFormat("", "\n").render(["42"]) + "It is 42."
+    row = rows[0] | {
+        "response_texts": [text] * 3,
+        "tool_calls": [json.dumps([call])] * 3,
+        "stop_statuses": ["completed"] * 3,
+    }
+    pq.write_table(conform(pa.Table.from_pylist([row]), "rollouts"), tmp_path / "part.parquet")
+    shown = cli("inspect", tmp_path / "part.parquet", "--rows", "1").stdout
+    assert "sample 2:" in shown
+    assert "  [turn 0] policy: '<tool_call>" in shown
+    assert """  [tool] calculator({"expression": "6*7"}) -> '42'""" in shown
+    assert "  [turn 1] policy: 'It is 42.'\n  [end] completed" in shown

@@ -4,6 +4,7 @@ and docstring, and the config errors that name generate.tools[i]."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import pytest
@@ -163,3 +164,18 @@ def test_the_token_budget_is_max_new_tokens_unless_tools_set_their_own():
     assert (
         GenerateConfig(max_new_tokens=32, tools=["calculator"], max_response_tokens=100).response_token_budget() == 100
     )
+
+
+def test_a_conversation_splits_into_its_turns_for_reading_in_both_tool_turn_forms():
+    from batchrl.agents.columns import conversation_lines
+
+    call = {"name": "calculator", "arguments": {"expression": "1/0"}, "output": None, "error": "exception"}
+    calls = json.dumps([call | {"detail": "ZeroDivisionError", "turn": 0}])
+    for form in ("", "{{'<|im_start|>'}} <tool_response>"):
+        text = "call" + ToolTurnFormat.for_chat_template(form).render(["error: ZeroDivisionError"]) + "done"
+        assert conversation_lines(text, calls, status="completed") == [
+            "  [turn 0] policy: 'call'",
+            '  [tool] calculator({"expression": "1/0"}) -> \'ERROR exception: ZeroDivisionError\'',
+            "  [turn 1] policy: 'done'",
+            "  [end] completed",
+        ]
