@@ -171,21 +171,13 @@ def python(code: str) -> str:
     Args:
         code: The program's source code; print what you want to see.
     """
-    from batchrl.sandbox import run_program  # loaded only when the tool is called
+    from batchrl.sandbox import run_program  # bubblewrap and rlimits (batchrl.sandbox); loaded when first called
 
     result = run_program(code)
-    return _sandbox_output(result)
-
-
-def _sandbox_output(result: Any) -> str:
-    """The text the policy reads of a sandboxed run: its output, and how it failed when it did."""
-    text = getattr(result, "stdout", "") or ""
-    if getattr(result, "stderr", ""):
-        text += ("\n" if text else "") + result.stderr
-    error = getattr(result, "error", None)
-    if error:
-        raise RuntimeError(f"{error}: {text}".strip(": "))
-    return text
+    output = result.stdout + (("\n" if result.stdout else "") + result.stderr if result.stderr else "")
+    if not result.ok:  # a failed program is a failed call (counted), its output still shown to the policy
+        raise RuntimeError(f"{result.describe()}\n{output}".strip())
+    return output
 
 
 BUILTINS: dict[str, Callable[..., Any]] = {"calculator": calculator, "python": python}

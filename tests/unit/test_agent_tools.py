@@ -179,3 +179,14 @@ def test_a_conversation_splits_into_its_turns_for_reading_in_both_tool_turn_form
             "  [turn 1] policy: 'done'",
             "  [end] completed",
         ]
+
+
+def test_the_python_tool_returns_what_the_program_printed_and_a_failing_program_is_a_counted_error():
+    tools = load_tools(["python"])
+    calls = parse_calls(
+        '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+        '<tool_call>{"name": "python", "arguments": {"code": "1 / 0"}}</tool_call>'
+    )
+    printed, failed = run_calls(calls, tools=tools, timeout_s=30, parallel=2)
+    assert (printed["output"], printed["error"]) == ("42\n", None)
+    assert failed["error"] == "exception" and "ZeroDivisionError" in failed["detail"]
