@@ -30,8 +30,8 @@ from batchrl.config.judge import JudgeConfig
 from batchrl.config.models import fingerprint_dump
 from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import STAGE_PROVIDERS, ActorNeed, Stage, StageContext, StageOutput
-from batchrl.stages import user  # noqa: F401  (its provider first: the judge is the last stage taking over rollouts)
 from batchrl.stages.judge_calls import JudgeCalls, judge_group_columns
+from batchrl.stages.user import user_stages  # noqa: F401  (its provider first: score reads the judge's table)
 from batchrl.storage.manifest import Manifest
 from batchrl.storage.sources import check_checkpoint_source
 

@@ -124,3 +124,19 @@ def test_the_judge_term_rewards_the_verdict_and_fails_or_falls_back_without_one(
     values, errors = rewards.evaluate("r", None, {**row, "judge_score": None, "judge_error": "unparsable"})
     assert values == [None] and "no judge verdict (unparsable)" in errors[0]
     assert REWARDS["judge"]("r", None, judge_score=None, failure_score=-1.0) == -1.0
+
+
+def test_the_judge_runs_after_generate_and_its_user_stages_and_score_reads_its_table(tmp_path):
+    import batchrl.stages  # noqa: F401  (registers the built-in stages)
+    from batchrl.pipeline.stage import STAGES, source_table, stage_order, sync_stages
+
+    probe = {"name": "probe", "after": "generate", "call": "json:dumps", "outputs": ["probed"]}
+    cfg = load(tmp_path, stages=[probe])
+    try:
+        sync_stages(cfg)
+        order = stage_order()
+        assert order.index("generate") < order.index("probe") < order.index("judge") < order.index("score")
+        assert STAGES["judge"].inputs == ("probe",) and source_table("rollouts", "score") == "judgements"
+    finally:
+        sync_stages(load(tmp_path, judge=None, score={"rewards": [{"reward": "gsm8k"}]}))
+    assert "judge" not in STAGES and source_table("rollouts", "score") == "rollouts"
