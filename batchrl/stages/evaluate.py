@@ -218,7 +218,7 @@ def score_eval_rollouts(
                 embedded_ray=embedded_ray,
             ),
             worker_cls=ScoreWorker,
-            worker_kwargs=ScoreStage.reward_kwargs(cfg),
+            worker_kwargs=ScoreStage.reward_kwargs(cfg, judged=False),
             actors=rm,
         )
         return parts
@@ -231,7 +231,7 @@ def score_eval_rollouts(
         }
         for p in rollouts.parts
     ]
-    return [part_info(row) for row in process_in_driver(ScoreWorker, ScoreStage.reward_kwargs(cfg), jobs)]
+    return [part_info(row) for row in process_in_driver(ScoreWorker, ScoreStage.reward_kwargs(cfg, judged=False), jobs)]
 
 
 def _scored(scores_dir: str, mode: str, part_name: str, cfg: PipelineConfig) -> pa.Table | None:

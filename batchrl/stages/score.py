@@ -389,8 +389,9 @@ class ScoreStage(Stage):
         return {"score": cfg.score.model_dump(exclude_defaults=True)} | ({"reward_code": code} if code else {})
 
     @staticmethod
-    def reward_kwargs(cfg: PipelineConfig) -> dict[str, Any]:
-        """ScoreWorker's constructor arguments."""
+    def reward_kwargs(cfg: PipelineConfig, *, judged: bool = True) -> dict[str, Any]:
+        """ScoreWorker's constructor arguments; ``judged`` False: without the judge term (held-out evaluation, whose
+        responses no judge stage judges)."""
         s = cfg.score
         reward_model = None
         if s.reward_model is not None:
@@ -401,6 +402,7 @@ class ScoreStage(Stage):
             "terms": [
                 TermSpec(reward=t.reward, weight=t.weight, name=t.component_name, params=dict(t.params))
                 for t in s.rewards
+                if judged or t.reward != "judge"
             ],
             "by_data_source": dict(s.reward_by_data_source),
             "failure_reward": s.failure_reward,

@@ -140,3 +140,11 @@ def test_the_judge_runs_after_generate_and_its_user_stages_and_score_reads_its_t
     finally:
         sync_stages(load(tmp_path, judge=None, score={"rewards": [{"reward": "gsm8k"}]}))
     assert "judge" not in STAGES and source_table("rollouts", "score") == "rollouts"
+
+
+def test_held_out_evaluation_scores_without_the_judge_term(tmp_path):
+    from batchrl.stages.score import ScoreStage
+
+    cfg = load(tmp_path, score={"rewards": [{"reward": "judge"}, {"reward": "gsm8k", "weight": 0.5}]})
+    assert [t.reward for t in ScoreStage.reward_kwargs(cfg)["terms"]] == ["judge", "gsm8k"]
+    assert [t.reward for t in ScoreStage.reward_kwargs(cfg, judged=False)["terms"]] == ["gsm8k"]
