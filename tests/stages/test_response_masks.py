@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from trainer_helpers import make_spec
+from trainer_helpers import ADVANTAGES_SCHEMA, make_spec
 
 from batchrl.algorithms.gae import gae_advantages_and_returns, token_level_rewards
 from batchrl.config.models import AdvantageConfig
@@ -255,20 +255,11 @@ def write_masked_advantages(path, token_advantages) -> list[str]:
             ["a", "a", "b"], [0, 1, 0], PROMPTS, RESPONSES, MASKS, token_advantages
         )
     ]
-    schema = pa.schema(
-        [
-            ("prompt_id", pa.string()),
-            ("sample_idx", pa.int32()),
-            ("prompt_token_ids", pa.list_(pa.int32())),
-            ("response_token_ids", pa.list_(pa.int32())),
-            ("response_logprobs", pa.list_(pa.float32())),
-            ("advantage", pa.float32()),
-            ("prompt_length", pa.int32()),
-            ("response_length", pa.int32()),
-            ("token_advantages", pa.list_(pa.float32())),
-            ("response_mask", pa.list_(pa.int32())),
-        ]
-    )
+    schema = ADVANTAGES_SCHEMA
+    for name, kind in [("prompt_length", pa.int32()), ("response_length", pa.int32())]:
+        schema = schema.append(pa.field(name, kind))
+    for name, kind in [("token_advantages", pa.float32()), ("response_mask", pa.int32())]:
+        schema = schema.append(pa.field(name, pa.list_(kind)))
     path.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path / "part-00000.parquet")
     return [str(path / "part-00000.parquet")]
@@ -321,3 +312,37 @@ def test_samples_of_a_group_table_carry_its_masks_and_a_wrong_length_is_named():
     bad = samples_of(masks=[[1, 0], [1, 0, 0, 1], [1, 1, 1]])
     with pytest.raises(ValueError, match="2 response_mask entries for 7 response tokens"):
         collate(bad, [0], pad_token_id=0, device=CPU)
+
+
+def test_the_critic_gives_tool_tokens_no_value_and_its_loss_ignores_their_returns(tiny):
+    from batchrl.algorithms.gae import clipped_value_losses
+    from batchrl.algorithms.losses import aggregate_token_losses
+    from batchrl.trainer.critic import critic_values, load_critic, response_values
+
+    critic = load_critic(str(tiny[0]), seed=0)
+    masked = response_values(critic, samples_from_groups(scores_table()), pad_token_id=0, max_tokens=256)
+    plain = response_values(critic, samples_from_groups(scores_table(masks=False)), pad_token_id=0, max_tokens=256)
+    policy = samples_from_groups(scores_table()).flat_policy_mask()
+    assert np.all(masked[~policy] == 0.0) and np.array_equal(masked[policy], plain[policy])
+
+    samples = samples_of()
+    grads = []
+    for tool_return in (0.0, 50.0):
+        returns = np.where(samples.flat_policy_mask(), 1.0, tool_return).astype(np.float32)
+        values = {"returns": returns, "values": np.zeros_like(returns)}
+        mb = collate(samples, [0, 1, 2], pad_token_id=0, device=CPU, token_values=values)
+        critic.zero_grad(set_to_none=True)
+        losses, _ = clipped_value_losses(
+            critic_values(critic, mb),
+            mb.token_values_SR["returns"],
+            mb.token_values_SR["values"],
+            mb.response_mask_SR,
+            clip_range=0.5,
+        )
+        loss = aggregate_token_losses(
+            losses, mb.response_mask_SR, mode="token-mean", num_global_tokens=9, num_global_seqs=3
+        )
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in critic.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
