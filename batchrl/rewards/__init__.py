@@ -29,6 +29,7 @@ from batchrl.errors import type_phrase
 from batchrl.references import import_reference, source_digest
 from batchrl.rewards.basic import exact_match, format_hash, format_think
 from batchrl.rewards.boxed import format_boxed, math_boxed
+from batchrl.rewards.code import code_tests
 from batchrl.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
 from batchrl.rewards.judge import judge
 from batchrl.rewards.labels import label_free, needs_ground_truth
@@ -48,6 +49,7 @@ REWARDS: dict[str, RewardFn] = {
     "format_think": format_think,
     "overlong_penalty": overlong_penalty,
     "truncation_penalty": truncation_penalty,
+    "code_tests": code_tests,  # runs the response's program against the row's tests in batchrl.sandbox
     "judge": judge,  # the judge stage's verdict (judge: section)
 }
 

@@ -25,6 +25,7 @@ from batchrl.rewards import (
     resolve_reward,
     reward_name_for,
 )
+from batchrl.rewards.detail import RewardWithDetail
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ def call_reward(
     except Exception as err:
         return None, f"{term.name} raised {type(err).__name__}: {err}"[:MAX_ERROR_CHARS]
     if type(value) is float and math.isfinite(value):  # the common case, without the slower ABC check below
+        return value, None
+    if type(value) is RewardWithDetail and math.isfinite(value):  # kept as it is: score_details shows its detail
         return value, None
     if value is None:
         return None, f"{term.name} returned None"

@@ -82,8 +82,9 @@ class SandboxResult:
         return self.status == "ok"
 
     def describe(self, *, max_chars: int = 300) -> str:
-        """'<status>' plus the end of stderr (where the traceback's last line is), at most max_chars."""
-        tail = self.stderr.strip()[-max_chars:]
+        """'<status>: <stderr's last non-blank line>' (a traceback's exception), the line cut to max_chars."""
+        lines = self.stderr.strip().splitlines()
+        tail = lines[-1].strip()[:max_chars] if lines else ""
         return f"{self.status}: {tail}" if tail else self.status
 
 

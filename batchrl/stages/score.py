@@ -10,7 +10,9 @@ stage wrote; ``critic/score/*`` are advantage's, of the scores it read after any
 Fault isolation: a rule reward that raises, returns None/NaN, or overruns ``score.timeout_s`` (rule rewards run
 in a child process per actor that is killed on a timeout, see batchrl.rewards.isolation) fails that component;
 the sample then gets ``score.failure_reward`` and the error in ``score_errors``, and the stage goes on. A reward
-model that cannot run is not a per-sample failure: it fails the stage.
+model that cannot run is not a per-sample failure: it fails the stage. A reward may leave a note on a value it did
+give (``rewards.detail.RewardWithDetail``: code_tests says which tests failed and how); it goes to ``score_details``
+and the sample is not a failure.
 
 One actor pool scores everything: with a reward model each actor loads it once (reward_model.num_actors actors),
 and its forward passes run while the rule rewards of the same shard are computed (in a thread that mostly waits
@@ -38,6 +40,7 @@ from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import resolve_reward, reward_code
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
+from batchrl.rewards.detail import RewardWithDetail
 from batchrl.rewards.isolation import IsolatedRewards
 from batchrl.storage.manifest import Manifest
 from batchrl.storage.sources import check_checkpoint_source
@@ -109,12 +112,12 @@ class ScoreWorker(ShardWorker):
         num_truncated = 0
         todo_tasks = [tasks[i] for i in todo]
         if self.reward_model is None:
-            values_TK, errors_T = self._rule_components(todo_tasks)
+            values_TK, errors_T, details_T = self._rule_components(todo_tasks)
         else:  # the rule rewards (mostly waiting on the child process) overlap the reward model's forward passes
             with ThreadPoolExecutor(1, thread_name_prefix="rule-rewards") as pool:
                 rules = pool.submit(self._rule_components, todo_tasks)
                 model_T, num_truncated = self._reward_model_component(table, row_of_sample_S, todo)
-                values_TK, errors_T = rules.result()
+                values_TK, errors_T, details_T = rules.result()
             for i in np.flatnonzero(~np.isfinite(model_T)):
                 errors_T[i] = "; ".join(filter(None, [errors_T[i], f"{REWARD_MODEL_COMPONENT} returned {model_T[i]}"]))
                 model_T[i] = np.nan
@@ -124,8 +127,9 @@ class ScoreWorker(ShardWorker):
         values_SK = np.full((len(tasks), values_TK.shape[1]), np.nan)
         values_SK[todo] = values_TK
         errors_S: list[str | None] = [None] * len(tasks)
-        for i, error in zip(todo, errors_T):
-            errors_S[i] = error
+        details_S: list[str | None] = [None] * len(tasks)
+        for i, error, detail in zip(todo, errors_T, details_T):
+            errors_S[i], details_S[i] = error, detail
         total_S = combine_components(
             values_SK, np.asarray(weights_K, dtype=np.float64), failure_reward=self.failure_reward
         )
@@ -141,6 +145,7 @@ class ScoreWorker(ShardWorker):
             total_S=total_S,
             values_SK=values_SK,
             errors_S=errors_S,
+            details_S=details_S,
             names_P=names_P,
             weights_K=weights_K,
         )
@@ -149,10 +154,11 @@ class ScoreWorker(ShardWorker):
             counts["reward_model_truncated"] = num_truncated
         return out, counts
 
-    def _rule_components(self, tasks: list[tuple]) -> tuple[np.ndarray, list[str | None]]:
-        """values_SK with NaN where a term failed, and each sample's errors joined (None if it has none)."""
+    def _rule_components(self, tasks: list[tuple]) -> tuple[np.ndarray, list[str | None], list[str | None]]:
+        """values_SK with NaN where a term failed, each sample's errors joined and its terms' details joined (None
+        where it has none; a detail is a note a reward left on a value, rewards.detail)."""
         if self.rewards is None:
-            return np.zeros((len(tasks), 0)), [None] * len(tasks)
+            return np.zeros((len(tasks), 0)), [None] * len(tasks), [None] * len(tasks)
         if self.isolated is not None:
             with gc_paused():  # only bookkeeping and pickling here: the reward code runs in the child
                 results = self.isolated.evaluate(tasks)
@@ -164,7 +170,14 @@ class ScoreWorker(ShardWorker):
         num_terms = len(results[0][0]) if results else len(self.rule_weights())
         values_SK = np.array([values for values, _ in results], dtype=np.float64).reshape(len(tasks), num_terms)
         errors_S = [("; ".join(e for e in errors if e) or None) if any(errors) else None for _, errors in results]
-        return values_SK, errors_S  # np.array turns None (a failed term) into NaN
+        details_S = [self._details(values, task) for (values, _), task in zip(results, tasks)]
+        return values_SK, errors_S, details_S  # np.array turns None (a failed term) into NaN
+
+    def _details(self, values: list[float | None], task: tuple) -> str | None:
+        if not any(type(v) is RewardWithDetail for v in values):
+            return None
+        names = self.term_names_for(task[2]["data_source"])  # [2]: the group fields
+        return "; ".join(f"{name}: {v.detail}" for name, v in zip(names, values) if type(v) is RewardWithDetail)
 
     def _reward_model_component(
         self, table: pa.Table, row_of_sample_S: np.ndarray, samples: np.ndarray
@@ -273,10 +286,12 @@ def append_score_columns(
     total_S: np.ndarray,
     values_SK: np.ndarray,
     errors_S: list[str | None],
+    details_S: list[str | None],
     names_P: list[list[str]],
     weights_K: list[float],
 ) -> pa.Table:
-    """The rollouts table plus scores, score_errors, reward_names, reward_weights and reward_values per group."""
+    """The rollouts table plus scores, score_errors, score_details, reward_names, reward_weights and reward_values
+    per group."""
     num_samples, num_components = values_SK.shape
     group_offsets = np.concatenate([[0], np.cumsum(np.bincount(row_of_sample_S, minlength=table.num_rows))])
     component_offsets = np.arange(num_samples + 1, dtype=np.int32) * num_components
@@ -284,6 +299,7 @@ def append_score_columns(
     per_sample = {
         "scores": pa.array(total_S, pa.float32()),
         "score_errors": pa.array(errors_S, pa.string()),
+        "score_details": pa.array(details_S, pa.string()),
         "reward_values": pa.ListArray.from_arrays(pa.array(component_offsets), flat_values),
     }
     out = table

@@ -1,0 +1,85 @@
+"""The score stage with the code_tests reward over hand-made rollouts: programs run in the sandbox from the reward
+process, a hanging or crashing program scores 0 for its tests with the reason in score_details, and nothing fails."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+from test_score_components import rollouts
+
+from batchrl.config import validate_dict
+from batchrl.pipeline.stage import StageContext
+from batchrl.stages.score import ScoreStage
+from batchrl.storage import RunLayout, read_parquet, write_parquet_atomic
+from batchrl.storage.manifest import Manifest, PartInfo
+
+STDIO = [
+    {"input": "2 3\n", "output": "5\n"},
+    {"input": "10 -4\n", "output": "6\n"},
+    {"input": "0 0\n", "output": "0\n"},
+]
+ASSERTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
+SUM = "```python\nn, k = map(int, input().split())\nprint(n + k)\n```"
+
+
+def code_rollouts() -> pa.Table:
+    table = rollouts(
+        [
+            {
+                "prompt_id": "sum",
+                "truth": json.dumps(STDIO),
+                "responses": [SUM, SUM.replace("n + k", "n + k if n else 1"), "import time\ntime.sleep(60)", "1/0"],
+            },
+            {
+                "prompt_id": "add",
+                "truth": ASSERTS,
+                "responses": ["def add(n, k):\n    return n + k", "def add(n, k):\n    return abs(n) + k"],
+            },
+        ]
+    )
+    return table.set_column(table.schema.get_field_index("data_source"), "data_source", pa.array(["code"] * 2))
+
+
+def test_code_rows_are_scored_by_their_tests_and_failures_are_explained_not_raised(tmp_path):
+    params = {"timeout_s": 1.0, "budget_s": 4.0}
+    cfg = validate_dict(
+        {
+            "name": "code",
+            "run": {"root": str(tmp_path / "runs")},
+            "model": {"path": "toy"},
+            "data": {"train_files": ["prompts"]},
+            "score": {"reward_by_data_source": {}, "rewards": [{"reward": "code_tests", "params": params}]},
+        }
+    )
+    in_dir, out_dir = str(tmp_path / "rollouts"), str(tmp_path / "scores")
+    table = code_rollouts()
+    num_bytes, digest = write_parquet_atomic(table, f"{in_dir}/part-00000.parquet")
+    part = PartInfo(name="part-00000.parquet", rows=table.num_rows, sha256=digest, num_bytes=num_bytes)
+    manifest = Manifest(
+        stage="generate", table="rollouts", iteration=0, fingerprint="g", parts=[part], schema="rollouts",
+        started_at=0, finished_at=0,
+    )  # fmt: skip
+    ctx = StageContext(
+        cfg=cfg,
+        layout=RunLayout.for_run(cfg.run.root, cfg.run_id),
+        iteration=0,
+        output_dir=out_dir,
+        fingerprint="s",
+        inputs={"rollouts": manifest},
+        input_dirs={"rollouts": in_dir},
+        policy_in="toy",
+        embedded_ray=True,  # a lone CPU shard: scored in this process, with the reward process under it
+    )
+    output = ScoreStage().run(ctx)
+    sums, adds = read_parquet(f"{out_dir}/part-00000.parquet").to_pylist()
+    assert [round(s, 3) for s in sums["scores"]] == [1.0, 0.667, 0.0, 0.0]
+    assert sums["score_errors"] == [None] * 4 and adds["score_errors"] == [None] * 2
+    assert sums["score_details"][0] is None
+    assert sums["score_details"][1] == "code_tests: 2/3 tests passed; test 3: wrong answer (expected '0', got '1')"
+    assert sums["score_details"][2] == "code_tests: 0/3 tests passed; test 1: timeout; test 2: timeout; test 3: timeout"
+    assert sums["score_details"][3].startswith("code_tests: 0/3 tests passed; test 1: error: ZeroDivisionError")
+    assert adds["scores"] == [1.0, 0.5] and "test 2: error: AssertionError" in adds["score_details"][1]
+    assert output.counts["failed_samples"] == 0
+    assert output.stats["critic/rewards/code_tests/mean"] == pytest.approx((1 + 2 / 3 + 1 + 0.5) / 6, rel=1e-6)
