@@ -158,6 +158,24 @@ class GenerateConfig(ActorResources):
                 )
         return tools
 
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> GenerateConfig:
+        if not self.tools:  # a loop setting without tools would silently do nothing
+            names = (
+                "max_turns",
+                "max_response_tokens",
+                "tool_timeout_s",
+                "max_parallel_tool_calls",
+                "stop_on_tool_error",
+            )
+            changed = [n for n in names if getattr(self, n) != type(self).model_fields[n].default]
+            if changed:
+                raise ValueError(
+                    f"generate.{changed[0]} is set but generate.tools is empty: it applies to multi-turn rollouts "
+                    "only; list the tools, or remove it"
+                )
+        return self
+
     def response_token_budget(self) -> int:
         """A sample's response tokens at most: generate.max_response_tokens with tools, else max_new_tokens."""
         return (self.max_response_tokens or self.max_new_tokens) if self.tools else self.max_new_tokens

@@ -150,3 +150,11 @@ def test_conversations_end_by_status_within_the_turn_and_token_limits(engine, to
             call["turn"] == 0 and call["output"] == f"{len(call['arguments']['text'])} chars" for call in c.calls
         )
     assert {c.status for c in conversations} >= {"length"}
+
+
+def test_qwens_tool_turn_encodes_its_turn_markers_as_the_special_tokens_the_template_uses(tokenizer):
+    qwen = ToolTurnFormat.for_chat_template("<|im_start|> <tool_response>")
+    ids = tokenizer.encode(qwen.render(["42"]), add_special_tokens=False)
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids[0] == im_end and ids.count(im_start) == 2 and ids.count(im_end) == 2
+    assert tokenizer.decode(ids) == qwen.render(["42"])

@@ -158,8 +158,14 @@ def test_an_unknown_built_in_is_refused_when_the_config_loads():
         )
 
 
+def test_a_loop_setting_without_tools_is_refused_naming_it():
+    with pytest.raises(ConfigError, match="generate.max_turns is set but generate.tools is empty"):
+        validate_dict(
+            {"name": "t", "model": {"path": "m"}, "data": {"train_files": ["x"]}, "generate": {"max_turns": 8}}
+        )
+
+
 def test_the_token_budget_is_max_new_tokens_unless_tools_set_their_own():
-    assert GenerateConfig(max_new_tokens=32, max_response_tokens=100).response_token_budget() == 32
     assert GenerateConfig(max_new_tokens=32, tools=["calculator"]).response_token_budget() == 32
     assert (
         GenerateConfig(max_new_tokens=32, tools=["calculator"], max_response_tokens=100).response_token_budget() == 100
