@@ -73,7 +73,7 @@ class JudgeStage(Stage):
 
     def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
         stats = dict(manifest.stats)
-        seconds = timings.get("timing_s/judge")
+        seconds = timings.get("judge")
         if seconds:
             stats["judge/tokens_per_s"] = manifest.counts.get("judge_tokens", 0) / seconds
         return stats

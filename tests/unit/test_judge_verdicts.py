@@ -148,3 +148,15 @@ def test_held_out_evaluation_scores_without_the_judge_term(tmp_path):
     cfg = load(tmp_path, score={"rewards": [{"reward": "judge"}, {"reward": "gsm8k", "weight": 0.5}]})
     assert [t.reward for t in ScoreStage.reward_kwargs(cfg)["terms"]] == ["judge", "gsm8k"]
     assert [t.reward for t in ScoreStage.reward_kwargs(cfg, judged=False)["terms"]] == ["gsm8k"]
+
+
+def test_the_judge_metrics_hold_its_tokens_per_second_over_its_own_duration():
+    from batchrl.stages.judge import JudgeStage
+    from batchrl.storage.manifest import Manifest
+
+    manifest = Manifest(
+        stage="judge", table="judgements", iteration=0, fingerprint="f", parts=[], schema="judgements",
+        started_at=0, finished_at=4, counts={"judge_tokens": 100}, stats={"judge/verdict/mean": 0.5},
+    )  # fmt: skip
+    metrics = JudgeStage().metrics(manifest, timings={"judge": 4.0, "step": 10.0})
+    assert metrics == {"judge/verdict/mean": 0.5, "judge/tokens_per_s": 25.0}
