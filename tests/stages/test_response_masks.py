@@ -237,14 +237,14 @@ def test_a_mask_of_all_ones_and_no_mask_give_bit_identical_losses_and_gradients(
 # ------------------------------------------------------------------------------------ through the table
 
 
-def write_masked_advantages(path, token_advantages) -> list[str]:
+def write_masked_advantages(path, token_advantages, *, prompts=PROMPTS, masks=MASKS) -> list[str]:
     rows = [
         {
             "prompt_id": pid,
             "sample_idx": k,
             "prompt_token_ids": prompt,
             "response_token_ids": response,
-            "response_logprobs": [-0.5 if m else 0.0 for m in mask],
+            "response_logprobs": [-0.5 if m else 0.0 for m in mask or [1] * len(response)],
             "advantage": float(advantages[0]),
             "prompt_length": len(prompt),
             "response_length": len(response),
@@ -252,7 +252,7 @@ def write_masked_advantages(path, token_advantages) -> list[str]:
             "response_mask": mask,
         }
         for pid, k, prompt, response, mask, advantages in zip(
-            ["a", "a", "b"], [0, 1, 0], PROMPTS, RESPONSES, MASKS, token_advantages
+            ["a", "a", "b"], [0, 1, 0], prompts, RESPONSES, masks, token_advantages
         )
     ]
     schema = ADVANTAGES_SCHEMA
@@ -346,3 +346,15 @@ def test_the_critic_gives_tool_tokens_no_value_and_its_loss_ignores_their_return
         grads.append({n: p.grad.clone() for n, p in critic.named_parameters()})
     for name, grad in grads[0].items():
         assert torch.equal(grads[1][name], grad), name
+
+
+def test_the_index_and_the_rows_count_the_same_loss_tokens_after_an_empty_prompt(tmp_path):
+    from batchrl.trainer.index import read_index
+    from batchrl.trainer.rows import RowReader
+
+    # sample 0 starts with a tool token and has no prompt: that token is out of the loss once, not twice
+    masks = [[0, 1, 0, 0, 0, 1, 1], [1, 0, 0, 1], None]
+    advantages = [[0.0] * len(r) for r in RESPONSES]
+    index = read_index(write_masked_advantages(tmp_path, advantages, prompts=[[], [11], [21, 22]], masks=masks))
+    rows = RowReader(index, with_rollout_logprobs=False).read([0, 1, 2])
+    assert index.loss_tokens_N.tolist() == rows.loss_tokens_N.tolist() == [3, 2, 3]
