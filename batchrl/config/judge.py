@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from batchrl.config.base import ActorResources, Placement, _Strict
 
-# The row fields a judge template may name: {prompt} (the prompt text the policy saw), {response} (one sample),
+# The row fields a judge template may name: {prompt} (the text of the prompt's messages), {response} (one sample),
 # {ground_truth} (the row's reference answer), {rubric} (extra_info[judge.rubric_key]), {data_source}, {prompt_id}.
 TEMPLATE_FIELDS = ("prompt", "response", "ground_truth", "rubric", "data_source", "prompt_id")
 

@@ -111,14 +111,22 @@ class JudgeCalls:
 def judge_group_columns(calls: JudgeCalls, table: pa.Table) -> tuple[dict[str, pa.Array], dict[str, float]]:
     """The judgements columns of a shard of rollout groups ([row][sample] lists), and its counts."""
     rows = table.select(
-        ["prompt_id", "data_source", "prompt_text", "ground_truth", "extra_info_json", "response_texts"]
+        [
+            "prompt_id",
+            "data_source",
+            "messages_json",
+            "prompt_text",
+            "ground_truth",
+            "extra_info_json",
+            "response_texts",
+        ]
     )
     verdicts, keys, sizes = [], [], []
     for row in rows.to_pylist():
         extra = json.loads(row["extra_info_json"]) if row["extra_info_json"] else {}
         rubric = extra.get(calls.judge.rubric_key) if isinstance(extra, dict) else None
         group = {
-            "prompt": row["prompt_text"],
+            "prompt": prompt_of(row),
             "ground_truth": row["ground_truth"],
             "rubric": rubric,
             "data_source": row["data_source"],
@@ -135,6 +143,18 @@ def judge_group_columns(calls: JudgeCalls, table: pa.Table) -> tuple[dict[str, p
             keys.append((row["prompt_id"], sample_idx))
     calls.judge_all(verdicts, keys)
     return _columns(verdicts, sizes), _counts(verdicts)
+
+
+def prompt_of(row: dict[str, Any]) -> str:
+    """{prompt}: the text of the prompt's messages, one per line (the question as the dataset wrote it), not the
+    policy's chat-templated prompt_text, whose special tokens mean nothing to another model; prompt_text when the
+    row has no messages."""
+    try:
+        messages = json.loads(row["messages_json"] or "[]")
+        texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    except (ValueError, TypeError, AttributeError):
+        texts = []
+    return "\n".join(texts) if texts else row["prompt_text"]
 
 
 def _columns(verdicts: list[Verdict], sizes: list[int]) -> dict[str, pa.Array]:

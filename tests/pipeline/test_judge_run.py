@@ -5,6 +5,8 @@ redoes score but not the judge. Tiny: the toy pipeline (hf engine, 8 prompts in 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from chat_server import ChatServer, verdict_for
 from harness import cli_ok, kill_run_when, read_manifest, read_rows, start_cli
@@ -44,7 +46,8 @@ def test_a_run_killed_mid_judge_resumes_to_the_same_verdicts_and_a_changed_judge
         rows = read_rows(it / "judgements")
         assert len(rows) == 8 and read_manifest(it / "judgements")["counts"]["failed"] == 0
         for row in rows:
-            asked_for = [TEMPLATE.format(prompt=row["prompt_text"], response=r) for r in row["response_texts"]]
+            question = json.loads(row["messages_json"])[-1]["content"]  # the question, not the chat-templated prompt
+            asked_for = [TEMPLATE.format(prompt=question, response=r) for r in row["response_texts"]]
             assert row["judge_texts"] == [answers[content] for content in asked_for]
             assert row["judge_attempts"] == [1, 1]
         scores = {r["prompt_id"]: r for r in read_rows(it / "scores")}

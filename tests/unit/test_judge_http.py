@@ -38,7 +38,8 @@ def groups(responses: list[str]) -> pa.Table:
         {
             "prompt_id": ["p0"],
             "data_source": ["d"],
-            "prompt_text": ["q"],
+            "messages_json": [json.dumps([{"role": "user", "content": "q"}])],
+            "prompt_text": ["<|im_start|>user\nq<|im_end|>"],  # the judge reads the messages' text, not this
             "ground_truth": [None],
             "extra_info_json": [json.dumps({})],
             "response_texts": [responses],
