@@ -7,7 +7,8 @@ no tool equals its single-turn self). Generation stops at ``</tool_call>`` or EO
 conversations, run in parallel threads with a per-call timeout; their answers are rendered as the chat template's
 tool turn (`batchrl.agents.calls.ToolTurnFormat`), tokenised once, and appended as ids with mask 0 and log-prob
 0.0. A conversation ends when a turn holds no call (completed), at its token budget (length), when its last allowed
-turn still calls (max_turns), or on a failed call with ``stop_on_tool_error`` (tool_error).
+turn still calls (max_turns), or on a failed call with ``stop_on_tool_error`` (tool_error); ``aborted`` is
+reserved for an episode something else ends (no tool here does).
 
 Departures worth knowing:
 - A turn's generate call asks for the largest allowance of the live conversations and cuts each to its own
@@ -34,6 +35,7 @@ from batchrl.agents.calls import CALL_STOP, ParsedCall, ToolTurnFormat, parse_ca
 from batchrl.agents.tools import Tool
 
 STATUSES = ("completed", "length", "max_turns", "tool_error", "aborted")
+CHARS_PER_TOKEN = 16  # more characters than a token ever holds: an output cut there still fills the budget
 
 
 @dataclass(frozen=True)
@@ -152,15 +154,18 @@ def _answer_calls(
     for conversation, calls in calling:
         records = results[position : position + len(calls)]
         position += len(calls)
+        room = settings.max_response_tokens - len(conversation.token_ids)
         for record in records:
             record["turn"] = turn
+            # what cannot fit the budget is neither tokenised nor stored (a program may print a megabyte)
+            if record["output"] is not None and len(record["output"]) > CHARS_PER_TOKEN * room:
+                record["output"] = record["output"][: CHARS_PER_TOKEN * room] + " [cut]"
         conversation.calls += records
         if settings.stop_on_tool_error and any(r["error"] for r in records):
             conversation.status = "tool_error"
             continue
         text = turn_format.render([r["output"] if r["error"] is None else f"error: {r['detail']}" for r in records])
         token_ids = tokenizer.encode(text, add_special_tokens=False)
-        room = settings.max_response_tokens - len(conversation.token_ids)
         conversation.append(token_ids[:room], [0.0] * len(token_ids[:room]), policy=False, text=text)
         if len(token_ids) >= room:  # no room left for the policy's next turn
             conversation.status = "length"

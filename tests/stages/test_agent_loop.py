@@ -158,3 +158,33 @@ def test_qwens_tool_turn_encodes_its_turn_markers_as_the_special_tokens_the_temp
     im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert ids[0] == im_end and ids.count(im_start) == 2 and ids.count(im_end) == 2
     assert tokenizer.decode(ids) == qwen.render(["42"])
+
+
+def shout(text: str) -> str:
+    """Answers with a megabyte.
+
+    Args:
+        text: Ignored.
+    """
+    return "x" * 1_000_000
+
+
+def test_an_output_beyond_the_budget_is_cut_before_it_is_tokenised_and_ends_the_sample_at_its_length(
+    engine, tokenizer, prompts
+):
+    conversations = run_conversations(
+        engine,
+        prompts,
+        SEEDS,
+        sampling=SAMPLING,
+        tools={"shout": Tool("shout", shout, json_schema(shout))},
+        settings=LoopSettings(max_turns=3, max_response_tokens=BUDGET),
+        tokenizer=tokenizer,
+        turn_format=PLAIN,
+        parse=lambda text: [ParsedCall("shout", {"text": text})],
+    )
+    called = [c for c in conversations if c.calls]
+    assert called, "no turn stopped on its stop string: the test would prove nothing"
+    for c in called:
+        assert c.status == "length" and len(c.token_ids) == BUDGET and c.mask[-1] == 0
+        assert len(c.calls[0]["output"]) <= 16 * BUDGET + len(" [cut]")
