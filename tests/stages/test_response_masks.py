@@ -237,14 +237,16 @@ def test_a_mask_of_all_ones_and_no_mask_give_bit_identical_losses_and_gradients(
 # ------------------------------------------------------------------------------------ through the table
 
 
-def write_masked_advantages(path, token_advantages, *, prompts=PROMPTS, masks=MASKS) -> list[str]:
+def write_masked_advantages(
+    path, token_advantages, *, prompts=PROMPTS, masks=MASKS, tool_logprob: float = 0.0
+) -> list[str]:
     rows = [
         {
             "prompt_id": pid,
             "sample_idx": k,
             "prompt_token_ids": prompt,
             "response_token_ids": response,
-            "response_logprobs": [-0.5 if m else 0.0 for m in mask or [1] * len(response)],
+            "response_logprobs": [-0.5 if m else tool_logprob for m in mask or [1] * len(response)],
             "advantage": float(advantages[0]),
             "prompt_length": len(prompt),
             "response_length": len(response),
@@ -358,3 +360,37 @@ def test_the_index_and_the_rows_count_the_same_loss_tokens_after_an_empty_prompt
     index = read_index(write_masked_advantages(tmp_path, advantages, prompts=[[], [11], [21, 22]], masks=masks))
     rows = RowReader(index, with_rollout_logprobs=False).read([0, 1, 2])
     assert index.loss_tokens_N.tolist() == rows.loss_tokens_N.tolist() == [3, 2, 3]
+
+
+def test_a_masked_table_trains_in_the_rank_processes_whatever_its_tool_tokens_log_probs(tiny, tmp_path):
+    from trainer_helpers import load_weights
+
+    from batchrl.trainer import run_update
+
+    advantages = [[1.0] * 7, [-0.5] * 4, [2.0] * 3]
+    outs = []
+    for name, tool_logprob in (("placeholder", 0.0), ("changed", -9.0)):
+        files = write_masked_advantages(tmp_path / name / "adv", advantages, tool_logprob=tool_logprob)
+        spec = make_spec(
+            policy_in=str(tiny[0]),
+            policy_out=str(tmp_path / name / "policy"),
+            advantages_files=files,
+            metrics_path=str(tmp_path / name / "metrics.json"),
+            logprobs_dir=str(tmp_path / name / "logprobs"),
+            reference_policy=str(tiny[0]),
+            num_processes=1,
+            backend="gloo",
+            old_logprobs="rollout",
+            micro_batch_size=2,
+            lr=1e-3,
+            **LOSS_OPTIONS,
+        )
+        metrics = run_update(spec, timeout_s=120)
+        outs.append((metrics, load_weights(tmp_path / name / "policy")))
+    assert outs[0][0]["perf/num_tokens"] == 9  # the policy's tokens: 4 + 2 + 3
+    assert outs[0][0]["actor/pg_loss"] == outs[1][0]["actor/pg_loss"]
+    for name, weight in outs[0][1].items():
+        assert torch.equal(outs[1][1][name], weight), name
+    assert not all(torch.equal(w, outs[0][1][n]) for n, w in load_weights(tiny[0]).items())  # it trained
+    logprobs = pa.concat_tables(pq.read_table(f) for f in sorted((tmp_path / "changed" / "logprobs").glob("*.parquet")))
+    assert sorted(logprobs.column("num_loss_tokens").to_pylist()) == [2, 3, 4]
