@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchrl.config.rollout import BUILTIN_TOOLS
-from batchrl.errors import ConfigError
+from batchrl.errors import ConfigError, type_phrase
 from batchrl.references import import_reference, source_digest
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
@@ -189,8 +189,8 @@ def load_tool(entry: str) -> Tool:
     function = BUILTINS.get(entry)
     if function is None:
         function = import_reference(entry, what="tool")
-        if not callable(function) or isinstance(function, type):
-            raise ValueError(f"tool {entry!r} is not a function")
+        if not inspect.isroutine(function):  # a class, an instance, a partial: no name and docstring of its own
+            raise ValueError(f"is {type_phrase(function)}, not a function")
     return Tool(
         name=function.__name__ if entry not in BUILTINS else entry, function=function, schema=json_schema(function)
     )

@@ -139,11 +139,14 @@ def test_functions_without_a_docstring_or_hints_are_config_errors_naming_the_ent
                 "tests.unit.test_agent_tools:undocumented",
                 "tests.unit.test_agent_tools:unhinted",
                 "no_such_module_xyz:f",
+                "tests.unit.test_agent_tools:Literal",
             ]
         )
     lines = str(error.value).splitlines()
-    assert [line.split("=")[0] for line in lines] == ["generate.tools[1]", "generate.tools[2]", "generate.tools[3]"]
+    where = [line.split("=")[0] for line in lines]
+    assert where == ["generate.tools[1]", "generate.tools[2]", "generate.tools[3]", "generate.tools[4]"]
     assert "docstring" in lines[0] and "type hint" in lines[1] and "cannot import" in lines[2]
+    assert "not a function" in lines[3]
 
 
 def test_an_unknown_built_in_is_refused_when_the_config_loads():
