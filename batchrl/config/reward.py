@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from batchrl.config.base import ActorResources, _Strict
+from batchrl.config.base import ActorResources, Placement, _Strict
 
 
 class RewardTerm(_Strict):
@@ -91,6 +91,14 @@ class ScoreConfig(_Strict):
     reward_model: RewardModelConfig | None = Field(
         None,
         description="A sequence-classification reward model whose score is one more component, named 'reward_model'.",
+    )
+    reward_processes: Placement[int] = Field(
+        1,
+        ge=1,
+        description="Reward processes per score actor (with timeout_s set), each scoring small chunks of a shard's "
+        "samples in turn. More than 1 for rewards that mostly wait (code_tests: a hanging program waits out its "
+        "timeout in one process while the others go on); CPU-bound rewards gain nothing beyond the actor's CPUs. "
+        "Placement: it changes how fast, not what, the stage scores.",
     )
 
     @model_validator(mode="after")

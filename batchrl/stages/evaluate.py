@@ -92,7 +92,7 @@ class EvaluateStage(Stage):
             | {
                 "evaluate": None if e is None else fingerprint_dump(e),
                 "max_new_tokens": None if e is None else max_new_tokens(cfg),
-                "score": cfg.score.model_dump(),
+                "score": fingerprint_dump(cfg.score),  # as it always was, less its Placement fields
                 "tokenizer": cfg.model.tokenizer or cfg.model.path,
                 "max_prompt_tokens": cfg.data.max_prompt_tokens,
                 "apply_chat_template": cfg.data.apply_chat_template,

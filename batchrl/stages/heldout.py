@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 from batchrl.config import PipelineConfig
+from batchrl.config.models import fingerprint_dump
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code
 from batchrl.stages.ingest import check_prompt_files, ingest_prompt_files
@@ -85,7 +86,7 @@ def heldout_fingerprint_config(cfg: PipelineConfig) -> dict[str, Any]:
         | {
             "files": None if e is None else list(e.files),
             "max_prompts": None if e is None else e.max_prompts,
-            "score": cfg.score.model_dump(),
+            "score": fingerprint_dump(cfg.score),  # as it always was, less its Placement fields
             "tokenizer": cfg.model.tokenizer or cfg.model.path,
             "max_prompt_tokens": cfg.data.max_prompt_tokens,
             "apply_chat_template": cfg.data.apply_chat_template,

@@ -25,6 +25,7 @@ import contextlib
 import gc
 import json
 import logging
+import queue
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.config.models import ActorResources
+from batchrl.config.models import ActorResources, fingerprint_dump
 from batchrl.errors import DataError
 from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
@@ -67,11 +68,13 @@ class ScoreWorker(ShardWorker):
         failure_reward: float,
         timeout_s: float | None = None,
         reward_model: Mapping[str, Any] | None = None,
+        reward_processes: int = 1,
     ):
         self.failure_reward = float(failure_reward)
         specs = [as_term_spec(t) for t in terms]
         self.rewards: RewardSet | None = None
         self.isolated: IsolatedRewards | None = None
+        self.isolated_pool: list[IsolatedRewards] = []  # isolated first, then the other reward processes
         if specs or reward_model is None:
             reward_set_kwargs = {
                 "terms": [vars(s) | {"params": dict(s.params)} for s in specs],
@@ -80,9 +83,13 @@ class ScoreWorker(ShardWorker):
             }
             self.rewards = RewardSet(**reward_set_kwargs)
             if timeout_s:
-                self.isolated = IsolatedRewards(
-                    reward_set_kwargs=reward_set_kwargs, timeout_s=timeout_s, term_names_for=self.term_names_for
-                )
+                self.isolated_pool = [
+                    IsolatedRewards(
+                        reward_set_kwargs=reward_set_kwargs, timeout_s=timeout_s, term_names_for=self.term_names_for
+                    )
+                    for _ in range(max(1, reward_processes))
+                ]
+                self.isolated = self.isolated_pool[0]
         self.reward_model, self.reward_model_weight = None, 0.0
         if reward_model is not None:
             from batchrl.rewards.model import SequenceClassifierReward
@@ -161,7 +168,7 @@ class ScoreWorker(ShardWorker):
             return np.zeros((len(tasks), 0)), [None] * len(tasks), [None] * len(tasks)
         if self.isolated is not None:
             with gc_paused():  # only bookkeeping and pickling here: the reward code runs in the child
-                results = self.isolated.evaluate(tasks)
+                results = self._isolated_results(tasks)
         else:
             results = [
                 self.rewards.evaluate(response, truth, sample_row(group, *sample))
@@ -172,6 +179,31 @@ class ScoreWorker(ShardWorker):
         errors_S = [("; ".join(e for e in errors if e) or None) if any(errors) else None for _, errors in results]
         details_S = [self._details(values, task) for (values, _), task in zip(results, tasks)]
         return values_SK, errors_S, details_S  # np.array turns None (a failed term) into NaN
+
+    def _isolated_results(self, tasks: list[tuple]) -> list[tuple]:
+        """The reward processes' results in task order. With several (score.reward_processes), each pulls small
+        chunks of samples from one queue, so a slow sample (a program waiting out its timeout) holds one process
+        while the others go on; contiguous shares would leave one process with every slow sample of a cluster."""
+        if len(self.isolated_pool) == 1 or len(tasks) <= 1:
+            return self.isolated.evaluate(tasks)
+        size = max(1, min(64, len(tasks) // (8 * len(self.isolated_pool))))
+        chunks: queue.SimpleQueue[range] = queue.SimpleQueue()
+        for start in range(0, len(tasks), size):
+            chunks.put(range(start, min(start + size, len(tasks))))
+        results: list[tuple | None] = [None] * len(tasks)
+
+        def drain(process: IsolatedRewards) -> None:
+            while True:
+                try:
+                    chunk = chunks.get_nowait()
+                except queue.Empty:
+                    return
+                for i, result in zip(chunk, process.evaluate([tasks[i] for i in chunk])):
+                    results[i] = result
+
+        with ThreadPoolExecutor(len(self.isolated_pool), thread_name_prefix="reward-processes") as pool:
+            list(pool.map(drain, self.isolated_pool))
+        return results
 
     def _details(self, values: list[float | None], task: tuple) -> str | None:
         if not any(type(v) is RewardWithDetail for v in values):
@@ -195,9 +227,11 @@ class ScoreWorker(ShardWorker):
         return scores_S.astype(np.float64), num_truncated
 
     def close(self) -> None:
+        for process in getattr(self, "isolated_pool", []):
+            process.close()
         if getattr(self, "isolated", None) is not None:
             self.isolated.close()
-            self.isolated = None
+        self.isolated, self.isolated_pool = None, []
 
     def __del__(self) -> None:
         self.close()
@@ -402,7 +436,8 @@ class ScoreStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         code = reward_code(cfg.score)  # editing a custom reward's module re-scores
-        return {"score": cfg.score.model_dump(exclude_defaults=True)} | ({"reward_code": code} if code else {})
+        score = fingerprint_dump(cfg.score, exclude_defaults=True)  # without reward_processes: how fast, not what
+        return {"score": score} | ({"reward_code": code} if code else {})
 
     @staticmethod
     def reward_kwargs(cfg: PipelineConfig, *, judged: bool = True) -> dict[str, Any]:
@@ -424,6 +459,7 @@ class ScoreStage(Stage):
             "failure_reward": s.failure_reward,
             "timeout_s": s.timeout_s,
             "reward_model": reward_model,
+            "reward_processes": s.reward_processes,
         }
 
     @staticmethod

@@ -4,6 +4,7 @@ process, a hanging or crashing program scores 0 for its tests with the reason in
 from __future__ import annotations
 
 import json
+import time
 
 import pyarrow as pa
 import pytest
@@ -11,7 +12,8 @@ from test_score_components import rollouts
 
 from batchrl.config import validate_dict
 from batchrl.pipeline.stage import StageContext
-from batchrl.stages.score import ScoreStage
+from batchrl.rewards.combine import TermSpec
+from batchrl.stages.score import ScoreStage, ScoreWorker
 from batchrl.storage import RunLayout, read_parquet, write_parquet_atomic
 from batchrl.storage.manifest import Manifest, PartInfo
 
@@ -83,3 +85,23 @@ def test_code_rows_are_scored_by_their_tests_and_failures_are_explained_not_rais
     assert adds["scores"] == [1.0, 0.5] and "test 2: error: AssertionError" in adds["score_details"][1]
     assert output.counts["failed_samples"] == 0
     assert output.stats["critic/rewards/code_tests/mean"] == pytest.approx((1 + 2 / 3 + 1 + 0.5) / 6, rel=1e-6)
+
+
+def test_several_reward_processes_wait_out_hanging_programs_side_by_side():
+    hang, timeout_s = "import time\ntime.sleep(60)", 1.0
+    table = rollouts([{"prompt_id": "sum", "truth": json.dumps(STDIO[:1]), "responses": [hang, SUM, hang, SUM, hang]}])
+    warm = rollouts([{"prompt_id": "warm", "truth": json.dumps(STDIO[:1]), "responses": [SUM] * 3}])
+    term = TermSpec("code_tests", 1.0, params={"timeout_s": timeout_s})
+    worker = ScoreWorker(terms=[term], by_data_source={}, failure_reward=0.0, timeout_s=30.0, reward_processes=3)
+    try:
+        worker.process(warm)  # starts every reward process
+        started = time.monotonic()
+        out, counts = worker.process(table)
+        elapsed = time.monotonic() - started
+    finally:
+        worker.close()
+    assert elapsed < 3 * timeout_s  # in series the three hangs alone take 3 s
+    assert out.column("scores").to_pylist() == [[0.0, 1.0, 0.0, 1.0, 0.0]]  # in order, whichever process scored it
+    details = out.column("score_details").to_pylist()[0]
+    assert details[1::2] == [None, None] and all(d.endswith("test 1: timeout") for d in details[0::2])
+    assert counts["failed_samples"] == 0

@@ -24,6 +24,7 @@ MARKED = {
     # in the score and evaluate fingerprints all the same: they dump the score section whole (before the marker,
     # as now); leaving them out is a deliberate re-pin, not a refactor
     "RewardModelConfig": ACTORS,
+    "ScoreConfig": {"reward_processes"},  # score, evaluate and heldout dump the section less its Placement fields
     "JudgeConfig": ACTORS,  # its endpoint's api_key_env, max_concurrency, timeout_s and retries: JudgeEndpoint's
     "AdvantageConfig": {"kl_in_reward_share_prompt"},
     "CriticConfig": ACTORS,
