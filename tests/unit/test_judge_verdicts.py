@@ -160,3 +160,15 @@ def test_the_judge_metrics_hold_its_tokens_per_second_over_its_own_duration():
     )  # fmt: skip
     metrics = JudgeStage().metrics(manifest, timings={"judge": 4.0, "step": 10.0})
     assert metrics == {"judge/verdict/mean": 0.5, "judge/tokens_per_s": 25.0}
+
+
+def test_before_a_run_a_missing_judge_model_or_api_key_is_a_config_error_naming_the_field(tmp_path, monkeypatch):
+    from batchrl.stages.judge import JudgeStage
+
+    with pytest.raises(ConfigError, match=r"judge\.model: './no/such/dir' is neither a local checkpoint"):
+        JudgeStage().check_inputs(load(tmp_path, judge=judge_with(model="./no/such/dir")))
+    monkeypatch.delenv("NO_SUCH_JUDGE_KEY", raising=False)
+    endpoint = {"base_url": "http://judge:8000/v1", "model": "m", "api_key_env": "NO_SUCH_JUDGE_KEY"}
+    http = judge_with(model=None, endpoint=endpoint)
+    with pytest.raises(ConfigError, match=r"judge\.endpoint\.api_key_env: \$NO_SUCH_JUDGE_KEY is not set"):
+        JudgeStage().check_inputs(load(tmp_path, judge=http))
