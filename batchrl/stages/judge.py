@@ -46,6 +46,9 @@ class JudgeStage(Stage):
     schema = "judgements"
     inputs: tuple[str, ...] = ("rollouts",)  # set to the table it reads by `judge_stages`
     takes_over = "rollouts"
+    # It reads no policy; "behaviour" (the one generate read) lets it run beside the previous iteration's update with
+    # run.max_staleness instead of waiting for the policy that update writes
+    reads_policy = "behaviour"
     config_section = "judge"
     timing_name = "judge"
 

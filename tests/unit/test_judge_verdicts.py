@@ -172,3 +172,13 @@ def test_before_a_run_a_missing_judge_model_or_api_key_is_a_config_error_naming_
     http = judge_with(model=None, endpoint=endpoint)
     with pytest.raises(ConfigError, match=r"judge\.endpoint\.api_key_env: \$NO_SUCH_JUDGE_KEY is not set"):
         JudgeStage().check_inputs(load(tmp_path, judge=http))
+
+
+def test_with_max_staleness_the_judge_need_not_wait_for_the_update_before_it(tmp_path):
+    from batchrl.pipeline.plan import build_plan
+
+    cfg = load(tmp_path, run={"root": str(tmp_path / "runs"), "iterations": 3, "max_staleness": 1})
+    steps = {step.label: step for step in build_plan(cfg, check_storage=False)}
+    update_before = steps["iter 1 update"].output_dir
+    assert steps["iter 2 judge"].policy_in == steps["iter 2 generate"].policy_in != update_before
+    assert steps["iter 2 score"].policy_in == update_before  # score, as before, waits for it
