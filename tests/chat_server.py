@@ -7,9 +7,9 @@ The first path segment picks its behaviour (base_url http://127.0.0.1:<port>/<mo
 - garbage: answers 200 with a body that is not JSON;
 - babble: answers a valid completion with no number in it (an unparsable verdict);
 - reject: answers HTTP 400.
-Every request is recorded (mode, seed, last message) in ``requests``; ``max_in_flight`` is the most answered at once.
-``pause_at``: the pause_at-th ok request writes ``reached`` into ``pause_dir`` and is never answered (a test kills the
-run there).
+Every request is recorded (mode, seed, temperature, last message) in ``requests``; ``max_in_flight`` is the most
+answered at once. ``pause_at``: the pause_at-th ok request writes ``reached`` into ``pause_dir`` and is never answered
+(a test kills the run there).
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class ChatServer:
                 mode = self.path.strip("/").split("/")[0]
                 content = body["messages"][-1]["content"]
                 with server.lock:
-                    server.requests.append({"mode": mode, "seed": body.get("seed"), "content": content})
+                    server.requests.append(
+                        {"mode": mode, "seed": body.get("seed"), "temperature": body["temperature"], "content": content}
+                    )
                     count = sum(r["mode"] == mode for r in server.requests)
                     tries = sum(r["content"] == content for r in server.requests)
                     server.in_flight += 1

@@ -152,9 +152,14 @@ class JudgeConfig(ActorResources):
     max_retries: int = Field(
         2,
         ge=0,
-        description="Judge calls after an unparsable verdict, each with another seed (at temperature 0 the same "
-        "text comes back from an engine: set a temperature > 0 to make retries useful). Past them the verdict is "
-        "null with error kind 'unparsable'.",
+        description="Judge calls after an unparsable verdict, each with another seed and retry_temperature. Past "
+        "them the verdict is null with error kind 'unparsable'.",
+    )
+    retry_temperature: float = Field(
+        0.7,
+        ge=0,
+        description="Sampling temperature of the retries: a greedy judge asked again would write the same text, so "
+        "a retry samples (its seed makes it reproducible).",
     )
 
     @field_validator("template")

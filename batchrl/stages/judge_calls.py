@@ -64,11 +64,11 @@ class JudgeCalls:
         return [*system, {"role": "user", "content": render_judge_prompt(self.judge.template, fields)}]
 
     def ask(
-        self, conversations: list[list[dict[str, str]]], seeds: list[int]
+        self, conversations: list[list[dict[str, str]]], seeds: list[int], *, temperature: float
     ) -> list[tuple[str, int, int, str | None]]:
         j = self.judge
         if self.client is not None:
-            sampling = {"temperature": j.temperature, "top_p": j.top_p, "max_tokens": j.max_new_tokens}
+            sampling = {"temperature": temperature, "top_p": j.top_p, "max_tokens": j.max_new_tokens}
             results = self.client.complete(conversations, seeds=seeds, sampling=sampling)
             return [(r.text, 0, r.completion_tokens, r.error) for r in results]
         from batchrl.engines import SamplingSpec
@@ -76,7 +76,7 @@ class JudgeCalls:
 
         texts = render_texts(conversations, self.tokenizer, apply_template=j.apply_chat_template)
         prompts = encode(texts, self.tokenizer, add_special_tokens=not j.apply_chat_template)
-        sampling = SamplingSpec(temperature=j.temperature, top_p=j.top_p, max_new_tokens=j.max_new_tokens)
+        sampling = SamplingSpec(temperature=temperature, top_p=j.top_p, max_new_tokens=j.max_new_tokens)
         groups = self.engine.generate(prompts, seeds=[[s] for s in seeds], sampling=sampling)
         return [(g[0].text, len(p), len(g[0].token_ids), None) for p, g in zip(prompts, groups)]
 
@@ -87,7 +87,8 @@ class JudgeCalls:
             if not pending:
                 break
             seeds = [self.seed(*keys[i], attempt) for i in pending]
-            answers = self.ask([verdicts[i].messages for i in pending], seeds)
+            temperature = self.judge.retry_temperature if attempt else self.judge.temperature
+            answers = self.ask([verdicts[i].messages for i in pending], seeds, temperature=temperature)
             retry = []
             for i, (text, prompt_tokens, tokens, error) in zip(pending, answers):
                 v = verdicts[i]

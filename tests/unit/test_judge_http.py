@@ -84,11 +84,12 @@ def test_a_request_that_fails_after_its_retries_is_a_recorded_failure_not_an_err
     assert len(server.requests) - before == sent
 
 
-def test_an_unparsable_verdict_is_asked_again_with_another_seed_each_time(server):
+def test_an_unparsable_verdict_is_asked_again_with_another_seed_and_the_retry_temperature(server):
     before = len(server.requests)
     row, counts = judged(judge(server, "babble"), ["y"])
     seeds = [r["seed"] for r in server.requests[before:]]
     assert row["judge_attempts"] == [3] and len(set(seeds)) == 3 and counts["attempts"] == 3
+    assert [r["temperature"] for r in server.requests[before:]] == [0.0, 0.7, 0.7]  # greedy, then sampled retries
     assert row["judge_texts"] == ["I cannot say."] and row["judge_errors"] == ["unparsable: no number"]
 
 
