@@ -7,8 +7,9 @@ no tool equals its single-turn self). Generation stops at ``</tool_call>`` or EO
 conversations, run in parallel threads with a per-call timeout; their answers are rendered as the chat template's
 tool turn (`batchrl.agents.calls.ToolTurnFormat`), tokenised once, and appended as ids with mask 0 and log-prob
 0.0. A conversation ends when a turn holds no call (completed), at its token budget (length), when its last allowed
-turn still calls (max_turns), or on a failed call with ``stop_on_tool_error`` (tool_error); ``aborted`` is
-reserved for an episode something else ends (no tool here does).
+turn still calls (max_turns), on a failed call with ``stop_on_tool_error`` (tool_error), or when its ids so far
+fill the engine's context (aborted: only where generate.max_model_len is set below the prompt limit plus the
+budget).
 
 Departures worth knowing:
 - A turn's generate call asks for the largest allowance of the live conversations and cuts each to its own
@@ -48,6 +49,7 @@ class LoopSettings:
     tool_timeout_s: float = 10.0
     max_parallel_tool_calls: int = 8
     stop_on_tool_error: bool = False
+    max_context: int | None = None  # the engine's max_model_len: a conversation that fills it is aborted
 
 
 @dataclass
@@ -97,10 +99,17 @@ def run_conversations(
     conversations = [Conversation(list(p), s) for p, s in zip(prompt_token_ids, seeds, strict=True)]
     stop = tuple(sampling.stop) + ((CALL_STOP,) if CALL_STOP not in sampling.stop else ())
     for turn in range(settings.max_turns):
+        for c in conversations:
+            if (
+                c.status is None
+                and settings.max_context
+                and len(c.prompt_token_ids + c.token_ids) >= settings.max_context
+            ):
+                c.status = "aborted"  # the engine would refuse the prompt
         live = [c for c in conversations if c.status is None]
         if not live:
             break
-        allowances = [min(sampling.max_new_tokens, settings.max_response_tokens - len(c.token_ids)) for c in live]
+        allowances = [_allowance(c, sampling.max_new_tokens, settings) for c in live]
         groups = engine.generate(
             [c.prompt_token_ids + c.token_ids for c in live],
             seeds=[[turn_seed(c.seed, turn)] for c in live],
@@ -115,6 +124,14 @@ def run_conversations(
                 calling.append((conversation, calls))
         _answer_calls(calling, tools=tools, settings=settings, tokenizer=tokenizer, turn_format=turn_format, turn=turn)
     return conversations
+
+
+def _allowance(conversation: Conversation, max_new_tokens: int, settings: LoopSettings) -> int:
+    """The tokens a conversation's next turn may generate: max_new_tokens, within its budget and the context."""
+    allowance = min(max_new_tokens, settings.max_response_tokens - len(conversation.token_ids))
+    if settings.max_context:
+        allowance = min(allowance, settings.max_context - len(conversation.prompt_token_ids + conversation.token_ids))
+    return allowance
 
 
 def _take_turn(

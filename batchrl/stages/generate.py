@@ -170,7 +170,7 @@ class GenerateWorker(ShardWorker):
             seeds,
             sampling=sampling,
             tools=load_tools(list(self.settings.tools)),
-            settings=LoopSettings(**self.settings.loop),
+            settings=LoopSettings(**self.settings.loop, max_context=self.spec.max_model_len),
             tokenizer=self.tokenizer,
         )
 

@@ -188,3 +188,22 @@ def test_an_output_beyond_the_budget_is_cut_before_it_is_tokenised_and_ends_the_
     for c in called:
         assert c.status == "length" and len(c.token_ids) == BUDGET and c.mask[-1] == 0
         assert len(c.calls[0]["output"]) <= 16 * BUDGET + len(" [cut]")
+
+
+def test_a_conversation_that_fills_the_engines_context_is_aborted_not_sent(engine, tokenizer, prompts):
+    context = max(len(p) for p in prompts) + 16
+    conversations = run_conversations(
+        engine,
+        prompts,
+        SEEDS,
+        sampling=SAMPLING,
+        tools=TOOLS,
+        settings=LoopSettings(max_turns=3, max_response_tokens=BUDGET, max_context=context),
+        tokenizer=tokenizer,
+        turn_format=PLAIN,
+        parse=scripted_calls,
+    )
+    called = [c for c in conversations if c.calls]
+    assert called, "no turn stopped on its stop string: the test would prove nothing"
+    assert all(c.status == "aborted" and c.turns == 1 for c in called)  # the tool turn filled the context
+    assert all(len(c.prompt_token_ids) + c.mask.count(1) <= context for c in conversations)
