@@ -57,6 +57,12 @@ PANELS = (
         ("response_length/mean",),
         ("response_length/min", "response_length/max"),
     ),
+    # with generate.tools: the share of samples that called a tool and the policy's turns per sample (absent without)
+    Panel(
+        "tools",
+        "Tool use (tools/use_rate: share of samples calling; tools/turns_mean)",
+        ("tools/use_rate", "tools/turns_mean"),
+    ),
     Panel("timings", "Seconds per iteration", ("timing_s/",)),
 )
 

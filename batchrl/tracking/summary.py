@@ -17,6 +17,8 @@ COLUMNS = [
     ("score", "critic/score/mean"),
     ("accuracy", "val-core/*"),
     ("resp_len", "response_length/mean"),
+    ("tool_use", "tools/use_rate"),  # with generate.tools: share of samples that called a tool
+    ("turns", "tools/turns_mean"),  # the policy's turns per sample
     ("pg_loss", "actor/pg_loss"),
     ("ppo_kl", "actor/ppo_kl"),
     ("kl_loss", "actor/kl_loss"),

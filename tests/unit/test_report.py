@@ -132,3 +132,25 @@ def test_the_accuracy_panel_starts_at_the_initial_policy_and_skips_iterations_no
     assert panel_series(accuracy, metrics) == {"val-core/arith/reward/mean@1": [(-1, 0.1), (1, 0.4), (3, 0.6)]}
     kl = next(p for p in PANELS if p.stem == "kl")
     assert panel_series(kl, metrics) == {"actor/reward_kl_penalty": [(3, 0.01)]}
+
+
+def test_a_run_with_tools_reports_its_tool_use_rate_and_turns_per_sample_over_iterations():
+    from batchrl.tracking import format_summary
+    from batchrl.tracking.report import PANELS, panel_series
+
+    metrics = [
+        {"iteration": 0, "critic/score/mean": 0.2, "tools/use_rate": 0.25, "tools/turns_mean": 1.25},
+        {"iteration": 1, "critic/score/mean": 0.6, "tools/use_rate": 0.75, "tools/turns_mean": 1.75},
+    ]
+    tools = next(p for p in PANELS if p.stem == "tools")
+    assert panel_series(tools, metrics) == {
+        "tools/use_rate": [(0, 0.25), (1, 0.75)],
+        "tools/turns_mean": [(0, 1.25), (1, 1.75)],
+    }
+    assert format_summary(metrics).splitlines() == [
+        "iter  score  tool_use  turns",
+        "   0    0.2      0.25   1.25",
+        "   1    0.6      0.75   1.75",
+    ]
+    assert panel_series(tools, METRICS) == {}  # a run without tools draws no tool panel, and its summary has no column
+    assert "tool_use" not in format_summary(METRICS)
