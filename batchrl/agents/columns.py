@@ -56,18 +56,21 @@ def conversation_counts(conversations: list[Conversation]) -> dict[str, int]:
 
 def tool_stats(counts: dict[str, float]) -> dict[str, float]:
     """generate's tool metrics from its summed counts (empty for a single-turn run): tool-use rate (samples with a
-    call), turns per sample, calls per sample, malformed and failed calls per call."""
+    call), turns per sample, calls per sample, malformed and failed calls per call, and the counts of failed calls
+    by kind (tools/tool_errors/<kind>) and of samples by stop status (tools/stop/<status>)."""
     samples = counts.get("num_samples", 0)
     if "turns" not in counts or not samples:
         return {}
     calls = counts.get("tool_calls", 0)
+    by_kind = {f"tools/{key}": value for key, value in counts.items() if key.startswith(("tool_errors/", "stop/"))}
     return {
         "tools/use_rate": counts.get("tool_samples", 0) / samples,
         "tools/turns_mean": counts["turns"] / samples,
         "tools/calls_per_sample": calls / samples,
+        "tools/malformed_calls": counts.get("malformed_calls", 0),
         "tools/malformed_rate": counts.get("malformed_calls", 0) / calls if calls else 0.0,
         "tools/error_rate": counts.get("tool_errors", 0) / calls if calls else 0.0,
-    }
+    } | by_kind
 
 
 def generate_conversations(

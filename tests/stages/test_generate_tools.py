@@ -60,6 +60,10 @@ def test_multi_turn_rows_carry_masks_turns_statuses_and_calls_for_every_sample(r
     assert output.counts["tool_samples"] == sum(1 for r in rows for c in r["tool_calls"] if json.loads(c))
     assert output.stats["tools/turns_mean"] == pytest.approx(output.counts["turns"] / 18)
     assert 0.0 <= output.stats["tools/use_rate"] <= 1.0
+    statuses = [status for r in rows for status in r["stop_statuses"]]
+    assert {k: v for k, v in output.stats.items() if k.startswith("tools/stop/")} == {
+        f"tools/stop/{status}": statuses.count(status) for status in set(statuses)
+    }
 
 
 def test_the_same_seeds_give_the_same_multi_turn_rows(runs):
