@@ -128,6 +128,12 @@ class JudgeConfig(ActorResources):
     engine: Literal["auto", "vllm", "hf"] = Field("auto", description="Judge engine, as generate.engine.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Judge weights dtype.")
     max_model_len: int | None = Field(None, ge=1, description="Judge context length (vLLM); default the model's.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism per judge actor (GPUs).")
+    gpu_memory_utilization: Placement[float] = Field(
+        0.85, gt=0, le=1.0, description="vLLM GPU memory fraction per judge actor."
+    )
+    enforce_eager: Placement[bool] = Field(True, description="Disable CUDA graphs in the judge's vLLM engine.")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the judge checkpoint.")
     template: str = Field(
         ...,
         min_length=1,

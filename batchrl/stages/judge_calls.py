@@ -45,13 +45,18 @@ class JudgeCalls:
         else:
             from transformers import AutoTokenizer
 
-            from batchrl.engines import make_engine
+            from batchrl.engines import make_engine, vllm_available
             from batchrl.storage import local_copy
 
             local = local_copy(judge.model)
-            self.tokenizer = AutoTokenizer.from_pretrained(local)
+            self.tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=judge.trust_remote_code)
+            vllm = judge.engine == "vllm" or (judge.engine == "auto" and vllm_available())
             self.engine = make_engine(
-                judge.engine, model_path=local, dtype=judge.dtype, max_model_len=judge.max_model_len
+                judge.engine,
+                model_path=local,
+                dtype=judge.dtype,
+                max_model_len=judge.max_model_len,
+                engine_kwargs=vllm_kwargs(judge) if vllm else None,
             )
 
     def seed(self, prompt_id: str, sample_idx: int, attempt: int) -> int:
@@ -107,6 +112,16 @@ class JudgeCalls:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def vllm_kwargs(judge: JudgeConfig) -> dict[str, Any]:
+    """The judge's vllm.LLM arguments (an engine of its own: no sleep mode, no weight pushes)."""
+    kwargs = {
+        "tensor_parallel_size": judge.tensor_parallel_size,
+        "enforce_eager": judge.enforce_eager,
+        "trust_remote_code": judge.trust_remote_code,
+    }
+    return kwargs | ({"gpu_memory_utilization": judge.gpu_memory_utilization} if judge.gpus_per_actor else {})
 
 
 def judge_group_columns(calls: JudgeCalls, table: pa.Table) -> tuple[dict[str, pa.Array], dict[str, float]]:

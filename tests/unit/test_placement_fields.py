@@ -25,7 +25,8 @@ MARKED = {
     # as now); leaving them out is a deliberate re-pin, not a refactor
     "RewardModelConfig": ACTORS,
     "ScoreConfig": {"reward_processes"},  # score, evaluate and heldout dump the section less its Placement fields
-    "JudgeConfig": ACTORS,  # its endpoint's api_key_env, max_concurrency, timeout_s and retries: JudgeEndpoint's
+    # and its endpoint's api_key_env, max_concurrency, timeout_s and retries (JudgeEndpoint's)
+    "JudgeConfig": ACTORS | {"gpu_memory_utilization", "enforce_eager"},
     "AdvantageConfig": {"kl_in_reward_share_prompt"},
     "CriticConfig": ACTORS,
     "UpdateConfig": {
