@@ -21,6 +21,7 @@ the run's EnginePool, which holds the policy's engines), for the length of the s
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import pyarrow as pa
@@ -66,13 +67,9 @@ class JudgeStage(Stage):
     def check_inputs(self, cfg: PipelineConfig) -> None:
         if cfg.judge.model is not None:
             check_checkpoint_source(cfg.judge.model, field="judge.model", example="Qwen/Qwen3-8B")
-        if cfg.judge.endpoint is not None and cfg.judge.endpoint.api_key_env:
-            import os
-
-            if not os.environ.get(cfg.judge.endpoint.api_key_env):
-                raise ConfigError(
-                    f"judge.endpoint.api_key_env: ${cfg.judge.endpoint.api_key_env} is not set in this environment"
-                )
+        key = cfg.judge.endpoint.api_key_env if cfg.judge.endpoint is not None else None
+        if key and not os.environ.get(key):  # the actors read it from the environment they inherit
+            raise ConfigError(f"judge.endpoint.api_key_env: ${key} is not set in this environment")
 
     def metrics(self, manifest: Manifest, *, timings: dict[str, float]) -> dict[str, float]:
         stats = dict(manifest.stats)
