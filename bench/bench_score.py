@@ -34,27 +34,31 @@ def synthetic_rollouts(num_groups: int, group_size: int, *, data_source: str, se
             responses = [FILLER * 3 + f"So the answer is $\\boxed{{\\frac{{{2 * a}}}{{2}}}}$." for a in answers]
         else:
             responses = [FILLER * 3 + f"\n#### {a:,}" for a in answers]
-        rows.append(
-            {
-                "prompt_id": f"p{g}",
-                "data_source": data_source,
-                "messages_json": "[]",
-                "prompt_text": "What is it?",
-                "prompt_token_ids": [1, 2, 3],
-                "ground_truth": str(truth),
-                "extra_info_json": None,
-                "source_file": "f",
-                "source_row": g,
-                "response_texts": responses,
-                "response_token_ids": [[5] * 8] * group_size,
-                "response_logprobs": [[-0.5] * 8] * group_size,
-                "finish_reasons": ["stop"] * group_size,
-                "response_lengths": [80] * group_size,
-                "sample_seeds": list(range(group_size)),
-                "policy_version": 0,
-            }
-        )
+        rows.append(rollout_row(g, data_source=data_source, ground_truth=str(truth), responses=responses))
     return conform(pa.Table.from_pylist(rows), "rollouts")
+
+
+def rollout_row(index: int, *, data_source: str, ground_truth: str, responses: list[str]) -> dict:
+    """A rollouts row as generate writes it (token ids and log-probs are placeholders: rewards read the texts)."""
+    n = len(responses)
+    return {
+        "prompt_id": f"p{index}",
+        "data_source": data_source,
+        "messages_json": "[]",
+        "prompt_text": "What is it?",
+        "prompt_token_ids": [1, 2, 3],
+        "ground_truth": ground_truth,
+        "extra_info_json": None,
+        "source_file": "f",
+        "source_row": index,
+        "response_texts": responses,
+        "response_token_ids": [[5] * 8] * n,
+        "response_logprobs": [[-0.5] * 8] * n,
+        "finish_reasons": ["stop"] * n,
+        "response_lengths": [80] * n,
+        "sample_seeds": list(range(n)),
+        "policy_version": 0,
+    }
 
 
 def plain_loop_seconds(table: pa.Table, reward: str, *, repeats: int) -> tuple[float, float]:

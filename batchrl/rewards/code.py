@@ -28,10 +28,11 @@ fails that test only and never raises: the value is the fraction passed (``mode:
 (``mode: all``), and the failures go to the scores table's ``score_details`` with their kind and stderr's end.
 A row with no tests in any known place raises ValueError (the sample's component fails, naming the layouts).
 
-Timing: the tests of a sample run ``max_parallel`` at a time, each for at most ``timeout_s``, all within
-``budget_s`` (tests not started by then fail as timeouts). The score stage gives each reward call
-``score.timeout_s`` (10 s by default) before it kills it and fails the component: keep ``budget_s`` below it
-(the default 8 s is), or raise both for large test suites.
+Timing: the tests of a sample run ``max_parallel`` at a time, each with ``timeout_s`` CPU seconds and a wall clock
+of ``wall_timeout_s`` (default 3 x timeout_s: a right program waiting for a busy CPU is not failed), all within
+``budget_s`` (a test gets at most what is left of it; one not started by then fails as a timeout). The score
+stage gives each reward call ``score.timeout_s`` (10 s by default) before it kills it and fails the component:
+keep ``budget_s`` below it (the default 8 s is), or raise both for large test suites.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ from batchrl.sandbox import Program, SandboxLimits, SandboxResult, run_programs
 EXTRA_INFO_KEYS = ("input_output", "tests", "test_cases", "test_list", "test")
 MAX_DETAIL_CHARS = 480  # combine.MAX_ERROR_CHARS is 500: a detail reads like an error message
 MAX_FAILURES_SHOWN = 3
+# A test's wall clock by default, per CPU second: programs share the actor's CPUs with the other tests and reward
+# processes, and a right one waiting for a CPU must not fail; a sleeping or blocked one is stopped there.
+WALL_PER_CPU = 3.0
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
 
@@ -73,6 +77,7 @@ def code_tests(
     extra_info: Mapping[str, Any] | None = None,
     mode: str = "fraction",
     timeout_s: float = 2.0,
+    wall_timeout_s: float | None = None,
     memory_mb: int = 1024,
     max_output_bytes: int = 1 << 20,
     max_parallel: int = 4,
@@ -86,7 +91,8 @@ def code_tests(
     tests = parse_tests(ground_truth, extra_info)
     program = extract_program(response)
     token = secrets.token_hex(8)
-    limits = SandboxLimits(wall_s=timeout_s, cpu_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes)
+    wall_s = wall_timeout_s or WALL_PER_CPU * timeout_s
+    limits = SandboxLimits(wall_s=wall_s, cpu_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes)
     results = run_programs(
         [Program(_with_test(program, test, token), stdin=test.stdin) for test in tests],
         limits=limits,

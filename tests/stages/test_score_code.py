@@ -8,14 +8,12 @@ import time
 
 import pyarrow as pa
 import pytest
-from test_score_components import rollouts
+from test_score_components import rollouts, run_score_stage
 
 from batchrl.config import validate_dict
-from batchrl.pipeline.stage import StageContext
 from batchrl.rewards.combine import TermSpec
-from batchrl.stages.score import ScoreStage, ScoreWorker
-from batchrl.storage import RunLayout, read_parquet, write_parquet_atomic
-from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.stages.score import ScoreWorker
+from batchrl.storage import read_parquet
 
 STDIO = [
     {"input": "2 3\n", "output": "5\n"},
@@ -45,7 +43,7 @@ def code_rollouts() -> pa.Table:
 
 
 def test_code_rows_are_scored_by_their_tests_and_failures_are_explained_not_raised(tmp_path):
-    params = {"timeout_s": 1.0, "budget_s": 4.0}
+    params = {"timeout_s": 1.0, "wall_timeout_s": 1.0, "budget_s": 4.0}
     cfg = validate_dict(
         {
             "name": "code",
@@ -55,26 +53,8 @@ def test_code_rows_are_scored_by_their_tests_and_failures_are_explained_not_rais
             "score": {"reward_by_data_source": {}, "rewards": [{"reward": "code_tests", "params": params}]},
         }
     )
-    in_dir, out_dir = str(tmp_path / "rollouts"), str(tmp_path / "scores")
-    table = code_rollouts()
-    num_bytes, digest = write_parquet_atomic(table, f"{in_dir}/part-00000.parquet")
-    part = PartInfo(name="part-00000.parquet", rows=table.num_rows, sha256=digest, num_bytes=num_bytes)
-    manifest = Manifest(
-        stage="generate", table="rollouts", iteration=0, fingerprint="g", parts=[part], schema="rollouts",
-        started_at=0, finished_at=0,
-    )  # fmt: skip
-    ctx = StageContext(
-        cfg=cfg,
-        layout=RunLayout.for_run(cfg.run.root, cfg.run_id),
-        iteration=0,
-        output_dir=out_dir,
-        fingerprint="s",
-        inputs={"rollouts": manifest},
-        input_dirs={"rollouts": in_dir},
-        policy_in="toy",
-        embedded_ray=True,  # a lone CPU shard: scored in this process, with the reward process under it
-    )
-    output = ScoreStage().run(ctx)
+    # a lone CPU shard on the embedded Ray: scored in this process, the reward processes under it
+    output, out_dir = run_score_stage(cfg, [code_rollouts()], tmp_path, embedded_ray=True)
     sums, adds = read_parquet(f"{out_dir}/part-00000.parquet").to_pylist()
     assert [round(s, 3) for s in sums["scores"]] == [1.0, 0.667, 0.0, 0.0]
     assert sums["score_errors"] == [None] * 4 and adds["score_errors"] == [None] * 2
@@ -91,7 +71,7 @@ def test_several_reward_processes_wait_out_hanging_programs_side_by_side():
     hang, timeout_s = "import time\ntime.sleep(60)", 1.0
     table = rollouts([{"prompt_id": "sum", "truth": json.dumps(STDIO[:1]), "responses": [hang, SUM, hang, SUM, hang]}])
     warm = rollouts([{"prompt_id": "warm", "truth": json.dumps(STDIO[:1]), "responses": [SUM] * 3}])
-    term = TermSpec("code_tests", 1.0, params={"timeout_s": timeout_s})
+    term = TermSpec("code_tests", 1.0, params={"timeout_s": timeout_s, "wall_timeout_s": timeout_s})
     worker = ScoreWorker(terms=[term], by_data_source={}, failure_reward=0.0, timeout_s=30.0, reward_processes=3)
     try:
         worker.process(warm)  # starts every reward process

@@ -4,13 +4,17 @@ timeouts and crashes isolated in the reward child process, and the reward-model 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from batchrl.pipeline.stage import StageContext
 from batchrl.rewards.combine import TermSpec
-from batchrl.stages.score import ScoreWorker, score_stats, summarize_scores
+from batchrl.stages.score import ScoreStage, ScoreWorker, score_stats, summarize_scores
+from batchrl.storage import RunLayout, write_parquet_atomic
+from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import conform
 
 # The per-call deadline where no call should time out: one no healthy call misses on a loaded host (math-verify's
@@ -45,6 +49,36 @@ def rollouts(groups: list[dict]) -> pa.Table:
             }
         )
     return conform(pa.Table.from_pylist(rows), "rollouts")
+
+
+def run_score_stage(cfg, tables: list[pa.Table], tmp_path, *, embedded_ray: bool = False) -> tuple[Any, str]:
+    """The score stage's output and output directory, run over rollouts parts holding ``tables`` (with
+    ``embedded_ray``, a lone CPU shard is scored in this process)."""
+    in_dir, out_dir = str(tmp_path / "rollouts"), str(tmp_path / "scores")
+    ctx = StageContext(
+        cfg=cfg,
+        layout=RunLayout.for_run(cfg.run.root, cfg.run_id),
+        iteration=0,
+        output_dir=out_dir,
+        fingerprint="s",
+        inputs={"rollouts": committed_rollouts(tables, in_dir)},
+        input_dirs={"rollouts": in_dir},
+        policy_in=cfg.model.path,
+        embedded_ray=embedded_ray,
+    )
+    return ScoreStage().run(ctx), out_dir
+
+
+def committed_rollouts(tables: list[pa.Table], in_dir: str) -> Manifest:
+    """``tables`` written as the rollouts parts of ``in_dir``, and the manifest generate would have committed."""
+    parts = []
+    for k, table in enumerate(tables):
+        num_bytes, digest = write_parquet_atomic(table, f"{in_dir}/part-{k:05d}.parquet")
+        parts.append(PartInfo(name=f"part-{k:05d}.parquet", rows=table.num_rows, sha256=digest, num_bytes=num_bytes))
+    return Manifest(
+        stage="generate", table="rollouts", iteration=0, fingerprint="g", parts=parts, schema="rollouts",
+        started_at=0, finished_at=0,
+    )  # fmt: skip
 
 
 def score(table: pa.Table, **kwargs) -> tuple[pa.Table, dict]:

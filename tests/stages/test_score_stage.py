@@ -6,13 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_score_components import reward_model_dir, rollouts  # noqa: F401  (reward_model_dir is a fixture)
+from test_score_components import (  # noqa: F401  (reward_model_dir is a fixture)
+    reward_model_dir,
+    rollouts,
+    run_score_stage,
+)
 
 from batchrl.config import ConfigError, validate_dict
-from batchrl.pipeline.stage import StageContext
 from batchrl.stages.score import ScoreStage
-from batchrl.storage import RunLayout, read_parquet, write_parquet_atomic
-from batchrl.storage.manifest import Manifest, PartInfo
+from batchrl.storage import read_parquet
 
 HERE = Path(__file__).resolve().parent
 
@@ -87,35 +89,13 @@ def test_a_hanging_reward_times_out_inside_ray_actors_and_the_stage_completes(
             "reward_model": {"path": reward_model_dir, "batch_size": 4},
         },
     )
-    in_dir, out_dir = str(tmp_path / "rollouts"), str(tmp_path / "scores")
-    parts = []
-    for k in range(2):
-        table = rollouts(
+    tables = [
+        rollouts(
             [{"prompt_id": f"p{k}{i}", "truth": "7", "responses": ["#### 7", "#### 7", "#### 8"]} for i in range(2)]
         )
-        num_bytes, digest = write_parquet_atomic(table, f"{in_dir}/part-{k:05d}.parquet")
-        parts.append(PartInfo(name=f"part-{k:05d}.parquet", rows=table.num_rows, sha256=digest, num_bytes=num_bytes))
-    manifest = Manifest(
-        stage="generate",
-        table="rollouts",
-        iteration=0,
-        fingerprint="g",
-        parts=parts,
-        schema="rollouts",
-        started_at=0,
-        finished_at=0,
-    )
-    ctx = StageContext(
-        cfg=cfg,
-        layout=RunLayout.for_run(cfg.run.root, cfg.run_id),
-        iteration=0,
-        output_dir=out_dir,
-        fingerprint="s",
-        inputs={"rollouts": manifest},
-        input_dirs={"rollouts": in_dir},
-        policy_in=toy_model_dir,
-    )
-    output = ScoreStage().run(ctx)
+        for k in range(2)
+    ]
+    output, out_dir = run_score_stage(cfg, tables, tmp_path)
     rows = [r for p in output.parts for r in read_parquet(f"{out_dir}/{p.name}").to_pylist()]
     assert [r["prompt_id"] for r in rows] == ["p00", "p01", "p10", "p11"]
     for row in rows:

@@ -22,7 +22,7 @@ ASSERT_TESTS = "import math\nassert add(1, 2) == 3\nassert add(-1, 1) == 0\nasse
 RIGHT = "Read both numbers.\n```python\nn, k = map(int, input().split())\nprint(n + k)\n```\nDone."
 WRONG = "```python\nn, k = map(int, input().split())\nprint(n + k + 1)\n```"
 PARTLY = "```python\nn, k = map(int, input().split())\nprint(n + k if n > 0 else 1)\n```"  # 2 + 3, 10 - 4 only
-FAST = {"timeout_s": 1.0, "budget_s": 5.0}
+FAST = {"timeout_s": 1.0, "wall_timeout_s": 1.0, "budget_s": 5.0}
 
 
 def score(response: str, tests: str | None = STDIO_TESTS, extra_info: dict | None = None, **params) -> float:
