@@ -7,6 +7,8 @@ import json
 import pickle
 import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from batchrl.rewards import REWARDS
@@ -14,6 +16,7 @@ from batchrl.rewards.code import code_tests, extract_program, outputs_match, par
 from batchrl.rewards.combine import ResolvedTerm, call_reward
 from batchrl.rewards.detail import RewardWithDetail
 from batchrl.sandbox import isolation_available
+from batchrl.stages.ingest_rows import normalized_row
 
 STDIO_TESTS = json.dumps(
     [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6\n"}, {"input": "0 0\n", "output": "0\n"}]
@@ -22,7 +25,9 @@ ASSERT_TESTS = "import math\nassert add(1, 2) == 3\nassert add(-1, 1) == 0\nasse
 RIGHT = "Read both numbers.\n```python\nn, k = map(int, input().split())\nprint(n + k)\n```\nDone."
 WRONG = "```python\nn, k = map(int, input().split())\nprint(n + k + 1)\n```"
 PARTLY = "```python\nn, k = map(int, input().split())\nprint(n + k if n > 0 else 1)\n```"  # 2 + 3, 10 - 4 only
-FAST = {"timeout_s": 1.0, "wall_timeout_s": 1.0, "budget_s": 5.0}
+# Limits no right program misses on a loaded host (a wall clock of 3 x 2 s); the tests of hung programs set short
+# wall clocks and wait them out.
+FAST = {"timeout_s": 2.0, "budget_s": 30.0}
 
 
 def score(response: str, tests: str | None = STDIO_TESTS, extra_info: dict | None = None, **params) -> float:
@@ -49,14 +54,14 @@ def test_a_partly_right_program_scores_the_fraction_passed_or_zero_when_all_must
 
 def test_a_hanging_program_fails_each_test_as_a_timeout_within_the_budget():
     started = time.monotonic()
-    value = score("```python\nimport time\ntime.sleep(60)\n```", max_parallel=3)
-    assert time.monotonic() - started < 3.0  # three 1 s timeouts side by side
+    value = score("```python\nimport time\ntime.sleep(60)\n```", max_parallel=3, wall_timeout_s=2.0)
+    assert time.monotonic() - started < 5.0  # three 2 s timeouts side by side, not 6 s in series
     assert value == 0.0 and value.detail == "0/3 tests passed; test 1: timeout; test 2: timeout; test 3: timeout"
 
 
 def test_tests_not_started_within_the_budget_fail_as_timeouts():
     started = time.monotonic()
-    value = score("import time\ntime.sleep(60)", max_parallel=1, budget_s=1.5)
+    value = score("import time\ntime.sleep(60)", max_parallel=1, wall_timeout_s=1.0, budget_s=1.5)
     assert time.monotonic() - started < 3.0
     assert value == 0.0 and value.detail.count("timeout") == 3
 
@@ -140,3 +145,24 @@ def test_a_value_with_a_detail_survives_the_reward_process_and_the_score_checks(
     term = ResolvedTerm(name="code_tests", fn=REWARDS["code_tests"], weight=1.0, params=FAST)
     result, error = call_reward(term, WRONG, STDIO_TESTS, {"extra_info": None})
     assert error is None and result == 0.0 and result.detail.startswith("0/3 tests passed")
+
+
+@pytest.mark.parametrize("as_json_text", [True, False], ids=["json-string", "struct"])
+def test_verl_parquet_rows_reach_the_reward_with_their_tests(tmp_path, as_json_text):
+    tests = {"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6\n"]}
+    label = json.dumps(tests) if as_json_text else tests  # PRIME ships JSON text; a struct column arrives as a dict
+    path = tmp_path / "code.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": [[{"role": "user", "content": "Read n and k, print n+k."}]],
+                "data_source": ["code"],
+                "reward_model": [{"style": "rule", "ground_truth": label}],
+            }
+        ),
+        path,
+    )
+    raw = pq.read_table(path).to_pylist()[0]
+    row = normalized_row(raw, uri=str(path), stem="code", row=0)
+    assert row["ground_truth_problem"] is None
+    assert score(RIGHT, row["ground_truth"]) == 1.0 and score(WRONG, row["ground_truth"]) == 0.0

@@ -21,7 +21,9 @@ ISOLATED = isolation_available()
 needs_bwrap = pytest.mark.skipif(
     not ISOLATED, reason="bubblewrap is not installed or cannot create namespaces here (apt-get install bubblewrap)"
 )
-LIMITS = SandboxLimits(wall_s=2.0, cpu_s=2.0, memory_mb=512, max_output_bytes=64 << 10, file_size_mb=8)
+# A wall clock no healthy program misses on a loaded host (2 cores at a load of 20 start Python in ~1 s); the tests
+# of hung programs set their own short ones and wait them out.
+LIMITS = SandboxLimits(wall_s=10.0, cpu_s=2.0, memory_mb=512, max_output_bytes=64 << 10, file_size_mb=8)
 MODES = ["auto", "off"]  # "auto" is isolated where bubblewrap works
 
 
@@ -140,15 +142,15 @@ def test_sleeping_forever_is_a_timeout_at_the_wall_clock_and_its_children_die_to
         limits=limits,
     )
     assert result.status == "timeout" and result.exit_code is None
-    assert limits.wall_s <= result.seconds < limits.wall_s + 1.0
+    assert limits.wall_s <= result.seconds < limits.wall_s + 3.0
     assert not survivors(marker)
 
 
 @pytest.mark.parametrize("isolation", MODES)
 def test_a_busy_loop_is_a_timeout_at_the_cpu_limit(isolation):
-    result = run("while True:\n    pass", isolation=isolation, limits=SandboxLimits(wall_s=5.0, cpu_s=1.0))
+    result = run("while True:\n    pass", isolation=isolation, limits=SandboxLimits(wall_s=60.0, cpu_s=1.0))
     assert result.status == "timeout"
-    assert result.seconds < 3.0  # the CPU limit (1 s, SIGXCPU) came before the wall clock (5 s)
+    assert result.exit_code is not None  # it died of SIGXCPU at 1 CPU second; the parent's wall-clock kill has none
 
 
 def test_a_segfault_is_a_signal():
@@ -157,11 +159,11 @@ def test_a_segfault_is_a_signal():
 
 
 def test_many_programs_run_in_parallel_and_come_back_in_order():
-    programs = [Program(f"import time\ntime.sleep(0.5)\nprint({i})") for i in range(4)]
+    programs = [Program(f"import time\ntime.sleep(1.5)\nprint({i})") for i in range(4)]
     started = time.monotonic()
     results = run_programs(programs, limits=LIMITS, max_parallel=4)
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
-    assert time.monotonic() - started < 4 * 0.5  # they overlapped
+    assert time.monotonic() - started < 4 * 1.5  # they overlapped
 
 
 def test_programs_not_started_within_the_batch_budget_are_timeouts_without_running():
