@@ -13,6 +13,7 @@ import os
 import random
 import resource
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -160,8 +161,6 @@ def find_launcher(*, want_isolation: bool) -> Launcher:
         bwrap = None  # as root, without setpriv the program would keep root inside the sandbox
     help_text = ""
     if bwrap:
-        import subprocess
-
         try:
             help_text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.SubprocessError):

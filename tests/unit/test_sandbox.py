@@ -182,6 +182,11 @@ def test_limits_that_are_not_positive_are_refused_naming_the_field():
         run_program("puts 1", language="ruby")
 
 
+@needs_bwrap
+def test_required_isolation_runs_isolated_where_bubblewrap_works():
+    assert run_program("print(1)", isolation="required").isolated
+
+
 @pytest.mark.skipif(ISOLATED, reason="bubblewrap works here: isolation='required' is satisfied")
 def test_required_isolation_is_refused_where_bubblewrap_is_missing():
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
