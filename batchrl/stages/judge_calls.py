@@ -18,6 +18,8 @@ from batchrl.config.judge import JudgeConfig
 from batchrl.rewards.judge import parse_verdict, render_judge_prompt
 from batchrl.stages.generate import sample_seed
 
+TOO_LONG = "too_long"  # the error kind of a judge prompt that does not fit the judge's context
+
 
 @dataclass
 class Verdict:
@@ -50,6 +52,7 @@ class JudgeCalls:
 
             local = local_copy(judge.model)
             self.tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=judge.trust_remote_code)
+            self.context_tokens = judge.max_model_len or context_length(local, judge.trust_remote_code)
             vllm = judge.engine == "vllm" or (judge.engine == "auto" and vllm_available())
             self.engine = make_engine(
                 judge.engine,
@@ -75,15 +78,22 @@ class JudgeCalls:
         if self.client is not None:
             sampling = {"temperature": temperature, "top_p": j.top_p, "max_tokens": j.max_new_tokens}
             results = self.client.complete(conversations, seeds=seeds, sampling=sampling)
-            return [(r.text, 0, r.completion_tokens, r.error) for r in results]
+            return [(r.text, 0, r.completion_tokens, r.error and f"request: {r.error}") for r in results]
         from batchrl.engines import SamplingSpec
         from batchrl.stages.ingest_rows import encode, render_texts
 
         texts = render_texts(conversations, self.tokenizer, apply_template=j.apply_chat_template)
         prompts = encode(texts, self.tokenizer, add_special_tokens=not j.apply_chat_template)
+        # A prompt that leaves no room for a verdict is not sent: an engine would fail the whole batch on it
+        fits = [k for k, p in enumerate(prompts) if len(p) < self.context_tokens]
         sampling = SamplingSpec(temperature=temperature, top_p=j.top_p, max_new_tokens=j.max_new_tokens)
-        groups = self.engine.generate(prompts, seeds=[[s] for s in seeds], sampling=sampling)
-        return [(g[0].text, len(p), len(g[0].token_ids), None) for p, g in zip(prompts, groups)]
+        groups = self.engine.generate([prompts[k] for k in fits], seeds=[[seeds[k]] for k in fits], sampling=sampling)
+        answers = [
+            ("", len(p), 0, f"{TOO_LONG}: {len(p)} tokens, the judge's context {self.context_tokens}") for p in prompts
+        ]
+        for k, group in zip(fits, groups):
+            answers[k] = (group[0].text, len(prompts[k]), len(group[0].token_ids), None)
+        return answers
 
     def judge_all(self, verdicts: list[Verdict], keys: list[tuple[str, int]]) -> None:
         """Asks the judge for every verdict that has messages, retrying the unparsable ones; fills them in place."""
@@ -97,10 +107,11 @@ class JudgeCalls:
             retry = []
             for i, (text, prompt_tokens, tokens, error) in zip(pending, answers):
                 v = verdicts[i]
-                v.attempts, v.text, v.tokens = v.attempts + 1, text, v.tokens + tokens
+                called = error is None or not error.startswith(TOO_LONG)
+                v.attempts, v.text, v.tokens = v.attempts + called, text, v.tokens + tokens
                 v.prompt_tokens = prompt_tokens or v.prompt_tokens
-                if error is not None:  # the endpoint did not answer after its own retries: asking again won't help
-                    v.error = f"request: {error}"
+                if error is not None:  # no answer after the endpoint's own retries, or no room: asking again won't help
+                    v.error = error
                     continue
                 v.score, why = parse_verdict(text, self.judge.verdict)
                 v.error = None if why is None else f"unparsable: {why}"
@@ -112,6 +123,14 @@ class JudgeCalls:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def context_length(model_dir: str, trust_remote_code: bool) -> int:
+    """The judge model's context (max_position_embeddings), as its engine takes it without judge.max_model_len."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)
 
 
 def vllm_kwargs(judge: JudgeConfig) -> dict[str, Any]:

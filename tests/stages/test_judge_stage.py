@@ -128,3 +128,13 @@ def test_score_rewards_the_verdict_as_a_weighted_term_beside_the_rule_reward(jud
                 assert values[0] is None and total == -1.0
             else:
                 assert values[0] == pytest.approx(verdict) and total == pytest.approx(2 * verdict + values[1])
+
+
+def test_a_judge_prompt_longer_than_the_judge_context_is_not_sent_and_is_recorded(
+    tmp_path, toy_model_dir, toy_prompts_dir
+):
+    cfg = config(tmp_path, toy_model_dir, toy_prompts_dir, max_model_len=16)
+    rows, counts = judge_once(tmp_path, cfg, groups_with_rubric().slice(0, 1), "too_long")
+    assert rows[0]["judge_attempts"] == [0, 0, 0] and rows[0]["judge_tokens"] == [0, 0, 0]
+    assert all(e.startswith("too_long: ") and "the judge's context 16" in e for e in rows[0]["judge_errors"])
+    assert counts["failed"] == 3 and counts["attempts"] == 0
