@@ -1,5 +1,8 @@
 """Sandboxed code execution, in one run: what isolation costs, and what hanging programs cost a reward stage.
 
+Part 2's modules (Ray, pyarrow, the score stage) are imported after part 1: forking a large process costs more, and
+the bare runs and the sandboxed ones should both start from the small one a reward process or a tool is.
+
 1. Throughput: the same test executions (a program reading two numbers and printing their sum, with a little
    work) through ``run_programs`` (bubblewrap, prlimit, setpriv, the parent's caps) and through a bare
    ``subprocess.run`` of the same interpreter on the same file, both ``--parallel`` at a time. The ratio is
@@ -23,14 +26,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-import pyarrow as pa
-from bench_score import rollout_row  # bench/ is on the path of a script run from it
-
-from batchrl.rewards.combine import TermSpec
 from batchrl.sandbox import Program, isolation_available, run_programs
-from batchrl.stages.score import ScoreWorker
-from batchrl.storage.schemas import conform
 
 PROGRAM = "n, k = map(int, input().split())\nprint(sum(range(n)) % 7 + k)\n"
 RIGHT = f"```python\n{PROGRAM}```"
@@ -77,8 +75,13 @@ def throughput(num_programs: int, *, parallel: int, repeats: int) -> None:
     print(f"RESULT sandbox_vs_bare_subprocess={t_bare / t_sandbox:.2f} (target >= 0.5)")
 
 
-def code_rows(num_groups: int, group_size: int, *, hanging_every: int | None) -> pa.Table:
-    """Groups of code responses to a 3-test stdin/stdout task; every ``hanging_every``-th response hangs."""
+def code_rows(num_groups: int, group_size: int, *, hanging_every: int | None) -> Any:
+    """Groups of code responses to a 2-test stdin/stdout task; every ``hanging_every``-th response hangs."""
+    import pyarrow as pa
+    from bench_score import rollout_row  # bench/ is on the path of a script run from it
+
+    from batchrl.storage.schemas import conform
+
     tests = json.dumps([{"input": f"{n} {k}\n", "output": f"{sum(range(n)) % 7 + k}\n"} for n, k in [(5, 1), (9, 2)]])
     rows = []
     for g in range(num_groups):
@@ -89,7 +92,10 @@ def code_rows(num_groups: int, group_size: int, *, hanging_every: int | None) ->
     return conform(pa.Table.from_pylist(rows), "rollouts")
 
 
-def stage_seconds(table: pa.Table, *, timeout_s: float, reward_processes: int) -> tuple[float, float]:
+def stage_seconds(table: Any, *, timeout_s: float, reward_processes: int) -> tuple[float, float]:
+    from batchrl.rewards.combine import TermSpec
+    from batchrl.stages.score import ScoreWorker
+
     params = {"timeout_s": timeout_s, "max_parallel": 2}  # a hanging test waits 3 x timeout_s (the wall clock)
     worker = ScoreWorker(
         terms=[TermSpec("code_tests", 1.0, params=params)],
