@@ -127,6 +127,14 @@ class GenerateConfig(ActorResources):
         "tool_error instead of being answered with the error.",
     )
 
+    tools_in_prompt: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="With tools: whether the prompts' chat template is given the tools' JSON schemas to render "
+        "(apply_chat_template(tools=...), as Qwen2.5's, Llama 3.1's and Hermes templates write them into the system "
+        "prompt). auto: where the template renders them, else the prompts as they are (said once at INFO); always: "
+        "a template that does not render them is an error; never: the prompts describe the tools themselves.",
+    )
+
     logged: Literal["all"] | list[int] | None = Field(
         None,
         description="Training on logged data: the iterations whose rollouts are the responses logged in the prompt "
@@ -167,6 +175,7 @@ class GenerateConfig(ActorResources):
                 "tool_timeout_s",
                 "max_parallel_tool_calls",
                 "stop_on_tool_error",
+                "tools_in_prompt",
             )
             changed = [n for n in names if getattr(self, n) != type(self).model_fields[n].default]
             if changed:

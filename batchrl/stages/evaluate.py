@@ -35,7 +35,7 @@ from batchrl.config.models import fingerprint_dump
 from batchrl.pipeline.shards import ShardRun, part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code, reward_name_for
-from batchrl.stages.heldout import overlong_prompts
+from batchrl.stages.heldout import overlong_prompts, tool_schema_fingerprint
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import load_schema
@@ -101,6 +101,7 @@ class EvaluateStage(Stage):
                 "dtype": cfg.model.dtype,
                 "seed": cfg.run.seed,
             }
+            | tool_schema_fingerprint(cfg)  # as the held-out prompts' (heldout_fingerprint_config)
         )
 
     def check_inputs(self, cfg: PipelineConfig) -> None:

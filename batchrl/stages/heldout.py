@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from batchrl.agents.prompt_tools import tool_schema_fingerprint
 from batchrl.config import PipelineConfig
 from batchrl.config.models import fingerprint_dump
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
@@ -91,6 +92,7 @@ def heldout_fingerprint_config(cfg: PipelineConfig) -> dict[str, Any]:
             "max_prompt_tokens": cfg.data.max_prompt_tokens,
             "apply_chat_template": cfg.data.apply_chat_template,
         }
+        | tool_schema_fingerprint(cfg)  # with tools, the schemas templated into the prompts
     )
 
 

@@ -41,6 +41,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from batchrl.agents.prompt_tools import tool_schema_fingerprint
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.base import fingerprint_dump
 from batchrl.errors import DataError
@@ -85,7 +86,9 @@ class IngestStage(Stage):
         logged = {}
         if cfg.generate.logged is not None:  # rows need (and carry) their logged responses, cut at max_new_tokens
             logged = {"logged": cfg.generate.logged == "all" or "some", "max_new_tokens": cfg.generate.max_new_tokens}
-        return {"data": data, "tokenizer": cfg.model.tokenizer or cfg.model.path} | logged
+        # with tools, the schemas the chat template renders into the prompts (nothing without: as it always was)
+        schemas = tool_schema_fingerprint(cfg)
+        return {"data": data, "tokenizer": cfg.model.tokenizer or cfg.model.path} | logged | schemas
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         return [ActorNeed.of(cfg.data, field="data")]

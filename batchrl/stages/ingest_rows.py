@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from batchrl.agents.prompt_tools import prompt_tool_schemas, render_with_tools
 from batchrl.config import PipelineConfig
 from batchrl.errors import DataError, type_phrase
 from batchrl.rewards import LabelRule
@@ -189,11 +190,18 @@ def prompt_messages(prompt: Any) -> tuple[list[dict[str, str]], tuple[str, str] 
     return messages, None
 
 
-def render_texts(conversations: list[list[dict[str, str]]], tokenizer, *, apply_template: bool) -> list[str]:
+def render_texts(
+    conversations: list[list[dict[str, str]]], tokenizer, *, apply_template: bool, tools: Any = None
+) -> list[str]:
     """The text the model is fed for each conversation: the chat template with the generation prompt (one call for
-    all), or the messages' contents joined by newlines."""
+    all), or the messages' contents joined by newlines. ``tools``: the generate section, whose tools' schemas the
+    template renders (generate.tools_in_prompt; batchrl.agents.prompt_tools)."""
     if not conversations:
         return []
+    schemas = prompt_tool_schemas(tools) if apply_template and tools is not None else None
+    if schemas:
+        required = tools.tools_in_prompt == "always"
+        return render_with_tools(conversations, tokenizer, schemas, required=required)
     if apply_template:
         return tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
     return ["\n".join(m["content"] for m in messages) for messages in conversations]
@@ -210,10 +218,10 @@ def encode(texts: list[str], tokenizer, *, add_special_tokens: bool) -> list[lis
     return encoded["input_ids"]
 
 
-def tokenize_rows(rows: list[dict[str, Any]], tokenizer, *, apply_template: bool) -> None:
+def tokenize_rows(rows: list[dict[str, Any]], tokenizer, *, apply_template: bool, tools: Any = None) -> None:
     """Sets prompt_text, messages_json and prompt_token_ids of validated rows: the texts are encoded in one call
-    (the fast tokenizer's batch path)."""
-    texts = render_texts([row["messages"] for row in rows], tokenizer, apply_template=apply_template)
+    (the fast tokenizer's batch path). ``tools``: as `render_texts`."""
+    texts = render_texts([row["messages"] for row in rows], tokenizer, apply_template=apply_template, tools=tools)
     token_ids = encode(texts, tokenizer, add_special_tokens=not apply_template)
     for row, text, ids in zip(rows, texts, token_ids):
         row["prompt_text"] = text
@@ -250,7 +258,7 @@ def count_truncated(rows: list[dict[str, Any]], tokenizer: Callable[[], Any], *,
         return 0
     tokenizer = tokenizer()
     conversations = [json.loads(row["messages_json"]) for row in full]
-    texts = render_texts(conversations, tokenizer, apply_template=data.apply_chat_template)
+    texts = render_texts(conversations, tokenizer, apply_template=data.apply_chat_template, tools=cfg.generate)
     ids = encode(texts, tokenizer, add_special_tokens=not data.apply_chat_template)
     return sum(len(one) > data.max_prompt_tokens for one in ids)
 

@@ -100,7 +100,7 @@ def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: st
         row = normalized_row(raw, uri=chunk.uri, stem=chunk.stem, row=row_number)
         reject = validate(row, labels, logged=cfg.generate.logged)
         (rows if reject is None else rejects).append(row if reject is None else reject)
-    tokenize_rows(rows, tokenizer, apply_template=data.apply_chat_template)
+    tokenize_rows(rows, tokenizer, apply_template=data.apply_chat_template, tools=cfg.generate)
     if cfg.generate.logged is not None:
         bad = tokenize_responses(rows, tokenizer, max_tokens=cfg.generate.max_new_tokens)
         rejects += [
