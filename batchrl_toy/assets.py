@@ -27,7 +27,7 @@ from batchrl.errors import ConfigError
 from batchrl_toy.model import build_toy_model
 from batchrl_toy.prompts import build_arith_prompts
 from batchrl_toy.sft import sft_warm_start
-from batchrl_toy.task import MAX_OPERAND, ArithSplit
+from batchrl_toy.task import MAX_OPERAND, ArithSplit, ToyTask
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,17 @@ class ToyAssetsConfig(BaseModel):
         "evaluate.files here. The training prompts then avoid every held-out question.",
     )
     num_eval_prompts: int = Field(64, ge=1, description="Number of held-out prompts built in eval_dir.")
+    task: ToyTask = Field(
+        "arith",
+        description="arith: a + b and a - b; multiply_tools: a * b (a two-digit, b 2..19), with a tokenizer "
+        "that knows the calculator's call (pipelines/tools_quickstart.yaml).",
+    )
+    sft_tool_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of the SFT demonstrations that call the calculator before answering (multiply_tools).",
+    )
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> ToyAssetsConfig:
@@ -133,6 +144,8 @@ def ensure_toy_assets(
     sft_format_share: float = 1.0,
     eval_dir: str | os.PathLike | None = None,
     num_eval_prompts: int = 64,
+    task: ToyTask = "arith",
+    sft_tool_share: float = 0.0,
 ) -> None:
     """Build the toy model (with tokenizer) and the arithmetic prompts unless they already exist (local dirs).
 
@@ -141,18 +154,20 @@ def ensure_toy_assets(
     held-out prompts are built there (one shard) and the training prompts avoid every held-out question.
     Idempotent: an existing complete directory is kept as is, whatever arguments built it (delete it to
     rebuild with other arguments). A directory that exists but is incomplete (not built by this function)
-    is an error rather than silently replaced.
+    is an error rather than silently replaced. ``task`` and ``sft_tool_share``: see `ToyAssetsConfig`.
     """
+    tool_task = {} if task == "arith" else {"task": task, "sft_tool_share": sft_tool_share}
     if _claim_dir(Path(model_dir), _model_is_built, "is not a complete model; remove it to rebuild the toy model"):
         _build_atomically(
-            Path(model_dir), lambda tmp: _build_model_dir(tmp, seed, sft_steps, sft_format_share, max_operand)
+            Path(model_dir),
+            lambda tmp: _build_model_dir(tmp, seed, sft_steps, sft_format_share, max_operand, tool_task),
         )
     train_split: ArithSplit = "all" if eval_dir is None else "train"
     if _claim_dir(Path(data_dir), _prompts_are_built, "holds no toy prompts; remove it to rebuild them"):
         _build_atomically(
             Path(data_dir),
             lambda tmp: _build_prompts_dir(
-                tmp, num_prompts, num_shards, seed, fmt, max_operand=max_operand, split=train_split
+                tmp, num_prompts, num_shards, seed, fmt, max_operand=max_operand, split=train_split, task=task
             ),
         )
     if eval_dir is not None and _claim_dir(
@@ -160,7 +175,9 @@ def ensure_toy_assets(
     ):
         _build_atomically(
             Path(eval_dir),
-            lambda tmp: _build_prompts_dir(tmp, num_eval_prompts, 1, seed, fmt, max_operand=max_operand, split="eval"),
+            lambda tmp: _build_prompts_dir(
+                tmp, num_eval_prompts, 1, seed, fmt, max_operand=max_operand, split="eval", task=task
+            ),
         )
 
 
@@ -186,6 +203,8 @@ def setup_toy_assets(**arguments: Any) -> None:
         sft_format_share=toy.sft_format_share,
         eval_dir=toy.eval_dir,
         num_eval_prompts=toy.num_eval_prompts,
+        task=toy.task,
+        sft_tool_share=toy.sft_tool_share,
     )
 
 
@@ -226,8 +245,16 @@ def _cpu_has_avx2() -> bool:
         return False
 
 
-def _build_model_dir(tmp_dir: Path, seed: int, sft_steps: int, sft_format_share: float, max_operand: int) -> None:
-    """Builds the model in a child process with `reproducible_env` (torch reads it when first imported)."""
+def _build_model_dir(
+    tmp_dir: Path,
+    seed: int,
+    sft_steps: int,
+    sft_format_share: float,
+    max_operand: int,
+    tool_task: dict[str, Any] | None = None,
+) -> None:
+    """Builds the model in a child process with `reproducible_env` (torch reads it when first imported).
+    ``tool_task``: {} for arith (its marker stays as it was), else the task and sft_tool_share."""
     args = json.dumps(
         {
             "tmp_dir": str(tmp_dir),
@@ -236,6 +263,7 @@ def _build_model_dir(tmp_dir: Path, seed: int, sft_steps: int, sft_format_share:
             "sft_format_share": sft_format_share,
             "max_operand": max_operand,
         }
+        | (tool_task or {})
     )
     code = "import sys; from batchrl_toy.assets import build_model_dir_here; build_model_dir_here(sys.argv[1])"
     sys.stderr.flush()  # the child logs to the same stderr, in batchrl's format, as it goes
@@ -259,14 +287,16 @@ def build_model_dir_here(args_json: str) -> None:
     torch.set_num_threads(TOY_BUILD_THREADS)
     args = json.loads(args_json)
     tmp_dir, seed, sft_steps = Path(args["tmp_dir"]), args["seed"], args["sft_steps"]
-    build_toy_model(tmp_dir, seed=seed)
+    task = args.get("task", "arith")
+    tool_task = {k: args[k] for k in ("task", "sft_tool_share") if k in args}
+    build_toy_model(tmp_dir, seed=seed, task=task)
     marker: dict[str, Any] = {
         "seed": seed,
         "sft_steps": sft_steps,
         "sft_format_share": args["sft_format_share"],
         "max_operand": args["max_operand"],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-    }
+    } | tool_task
     if sft_steps:
         marker |= sft_warm_start(
             tmp_dir,
@@ -274,6 +304,8 @@ def build_model_dir_here(args_json: str) -> None:
             max_operand=args["max_operand"],
             format_share=args["sft_format_share"],
             seed=seed,
+            task=task,
+            tool_share=args.get("sft_tool_share", 0.0),
         )
     (tmp_dir / "_TOY_MODEL.json").write_text(json.dumps(marker))
 
@@ -287,6 +319,7 @@ def _build_prompts_dir(
     *,
     max_operand: int = MAX_OPERAND,
     split: ArithSplit = "all",
+    task: ToyTask = "arith",
 ) -> None:
     build_arith_prompts(
         str(tmp_dir),
@@ -296,6 +329,7 @@ def _build_prompts_dir(
         fmt=fmt,
         max_operand=max_operand,
         split=split,
+        task=task,
     )
     marker = {
         "num_prompts": num_prompts,
@@ -304,5 +338,5 @@ def _build_prompts_dir(
         "fmt": fmt,
         "max_operand": max_operand,
         "split": split,
-    }
+    } | ({} if task == "arith" else {"task": task})
     (tmp_dir / "_TOY_PROMPTS.json").write_text(json.dumps(marker))

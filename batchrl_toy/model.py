@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Literal
 
+from batchrl_toy.task import ToyTask
 from batchrl_toy.tokenizer import IM_END, PAD_TOKEN, build_toy_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ def build_toy_model(
     intermediate_size: int = 512,
     max_position_embeddings: int = 1024,
     seed: int = 0,
+    task: ToyTask = "arith",
 ) -> None:
     """Save a randomly initialised tiny causal LM (safetensors) plus its tokenizer into out_dir.
 
@@ -42,7 +44,8 @@ def build_toy_model(
 
     if hidden_size % num_attention_heads:
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_attention_heads={num_attention_heads}")
-    tokenizer = build_toy_tokenizer(out_dir)
+    # the tool task's tokenizer has room for the call's merges (the arith one stays as the fingerprints pin it)
+    tokenizer = build_toy_tokenizer(out_dir, task=task, vocab_size=384 if task == "arith" else 512)
     pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD_TOKEN, IM_END])
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
     config = config_cls(

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from batchrl_toy.task import ARITH_DATA_SOURCE, MAX_OPERAND, ArithSplit, arith_problems
+from batchrl_toy.task import ARITH_DATA_SOURCE, MAX_OPERAND, ArithSplit, ToyTask, arith_problems
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ def build_arith_prompts(
     filesystem: Any = None,
     max_operand: int = MAX_OPERAND,
     split: ArithSplit = "all",
+    task: ToyTask = "arith",
 ) -> list[str]:
     """Write synthetic verifiable arithmetic prompts as Parquet shards part-00000.parquet, ...
 
@@ -92,7 +93,7 @@ def build_arith_prompts(
         raise ValueError(f"num_shards={num_shards} must be between 1 and num_prompts={num_prompts}")
     fs, root = _resolve_filesystem(out_dir, filesystem)
     fs.create_dir(root, recursive=True)
-    problems = arith_problems(num_prompts=num_prompts, seed=seed, max_operand=max_operand, split=split)
+    problems = arith_problems(num_prompts=num_prompts, seed=seed, max_operand=max_operand, split=split, task=task)
     bounds = np.linspace(0, num_prompts, num_shards + 1).round().astype(int).tolist()
     paths = []
     for shard, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from batchrl_toy.task import arith_problems
+from batchrl_toy.task import ToyTask, arith_problems, calculator_call, question_expression
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -37,8 +37,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer_corpus() -> list[str]:
-    """Chat-formatted prompts and worked answers, so common words and "####" become single merges."""
+def _tokenizer_corpus(task: ToyTask = "arith") -> list[str]:
+    """Chat-formatted prompts and worked answers, so common words and "####" become single merges; for
+    multiply_tools also the calculator call and its tool turn, so that a call is ~20 tokens, not ~70 bytes."""
+    if task == "multiply_tools":
+        return _tool_corpus()
     lines = []
     for question, answer in arith_problems(num_prompts=2000, seed=12345):
         a_op_b = question.removeprefix("What is ").split("?")[0]
@@ -47,7 +50,18 @@ def _tokenizer_corpus() -> list[str]:
     return lines
 
 
-def build_toy_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 384) -> Any:
+def _tool_corpus() -> list[str]:
+    from batchrl.agents.calls import ToolTurnFormat
+
+    tool_turn = ToolTurnFormat.for_chat_template(CHAT_TEMPLATE)
+    lines = []
+    for question, answer in arith_problems(num_prompts=2000, seed=12345, max_operand=99, task="multiply_tools"):
+        call = calculator_call(question_expression(question))
+        lines.append(f"user\n{question}\nassistant\n{call}{tool_turn.render([answer])}#### {answer}")
+    return lines
+
+
+def build_toy_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 384, task: ToyTask = "arith") -> Any:
     """Train a byte-level BPE tokenizer on the arithmetic corpus and save it HF-style into out_dir.
 
     The normalizer/pre-tokenizer are exactly Qwen2's (NFC, Qwen's split regex with one token per digit,
@@ -73,7 +87,7 @@ def build_toy_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 384) ->
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(_tokenizer_corpus(task), trainer=trainer)
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=IM_END,

@@ -84,6 +84,8 @@ class EvaluateStage(Stage):
         return evaluated_iterations(cfg)
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
+        from batchrl.stages.generate import loop_settings
+
         e = cfg.evaluate
         code = reward_code(cfg.score)  # editing a custom reward's module re-evaluates
         return (
@@ -101,6 +103,8 @@ class EvaluateStage(Stage):
                 "dtype": cfg.model.dtype,
                 "seed": cfg.run.seed,
             }
+            # with tools the held-out samples are conversations too (absent without: fingerprints as they were)
+            | ({"tools": loop_settings(cfg.generate)} if cfg.generate.tools else {})
             | tool_schema_fingerprint(cfg)  # as the held-out prompts' (heldout_fingerprint_config)
         )
 
@@ -159,7 +163,7 @@ def max_new_tokens(cfg: PipelineConfig) -> int:
 
 def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifest) -> Manifest:
     """Greedy and sampled rollouts of every prompt part, as ``_rollouts/{greedy,sampled}-part-*.parquet``."""
-    from batchrl.stages.generate import ShardSettings, engine_actors, generate_shards
+    from batchrl.stages.generate import ShardSettings, engine_actors, generate_shards, loop_settings
 
     cfg, e = ctx.cfg, ctx.cfg.evaluate
     # Any live pool of this engine, whatever its size, else one of full size (generate.num_actors), not sized to the
@@ -180,6 +184,7 @@ def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifes
             run_seed=cfg.run.seed,
             iteration=EVAL_SEED_ITERATION,
             sampling=sampling | {"top_k": -1, "max_new_tokens": max_new_tokens(cfg), "stop": tuple(cfg.generate.stop)},
+            **loop_settings(cfg.generate),  # with tools, held-out samples run the agent loop as training's do
         )
         jobs = [
             {
