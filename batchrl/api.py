@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages, in run order)
+from batchrl.agents.environment import check_environment
 from batchrl.agents.tools import check_tools
 from batchrl.config import ConfigError, PipelineConfig, load_pipeline, validate_dict
 from batchrl.config.loader import apply_override
@@ -84,6 +85,7 @@ class Pipeline:
     def __init__(self, config: PipelineConfig):
         check_stage_calls(config)  # its user stages' calls and params, as `batchrl validate` checks them
         check_tools(config.generate.tools)  # each tool imports and has a JSON schema, as `batchrl validate` checks
+        check_environment(config.generate.environment)  # the class imports and has reset and step
         self.config = config
 
     @classmethod

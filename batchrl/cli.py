@@ -79,6 +79,10 @@ def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineC
             from batchrl.agents.tools import check_tools
 
             check_tools(cfg.generate.tools, source=str(pipeline))
+        if cfg.generate.environment is not None:  # the class imports and has reset and step
+            from batchrl.agents.environment import check_environment
+
+            check_environment(cfg.generate.environment, source=str(pipeline))
         return cfg
     except ConfigError as err:
         typer.echo(f"config error: {err}", err=True)

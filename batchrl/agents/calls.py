@@ -77,3 +77,8 @@ class ToolTurnFormat:
     def render(self, outputs: list[str]) -> str:
         """The text of a turn answering ``outputs`` (one per call of the turn, in order)."""
         return self.opening + "".join(_RESPONSE.format(output=output) for output in outputs) + self.closing
+
+    def render_observation(self, observation: str) -> str:
+        """The text of an environment's observation turn (batchrl.agents.environment): the tool turn's frame around
+        the plain text, without <tool_response> tags (it answers the turn, not a call)."""
+        return self.opening + "\n" + observation + self.closing

@@ -96,11 +96,17 @@ def generate_conversations(
         tokenizer=tokenizer,
         turn_format=ToolTurnFormat.for_chat_template(getattr(tokenizer, "chat_template", None)),
     )
+    groups = regroup(conversations, seeds)
+    return conversation_columns(groups), conversation_counts(conversations)
+
+
+def regroup(conversations: list[Conversation], seeds: list[list[int]]) -> list[list[Conversation]]:
+    """A shard's conversations (one per sample, in order) back in their prompt groups, as ``seeds`` holds them."""
     groups, start = [], 0
     for group in seeds:
         groups.append(conversations[start : start + len(group)])
         start += len(group)
-    return conversation_columns(groups), conversation_counts(conversations)
+    return groups
 
 
 # A tool turn as `ToolTurnFormat` writes it (plain or ChatML), to split a response's text into its turns for reading

@@ -35,7 +35,7 @@ from typing import Any
 from batchrl.agents.calls import CALL_STOP, ParsedCall, ToolTurnFormat, parse_calls
 from batchrl.agents.tools import Tool
 
-STATUSES = ("completed", "length", "max_turns", "tool_error", "aborted")
+STATUSES = ("completed", "length", "max_turns", "tool_error", "aborted", "env_error")  # env_error: environment.py
 CHARS_PER_TOKEN = 16  # more characters than a token ever holds: an output cut there still fills the budget
 
 
@@ -66,6 +66,7 @@ class Conversation:
     turns: int = 0  # policy turns
     status: str | None = None  # one of STATUSES once ended
     finish_reason: str = "stop"  # the last turn's: stop or length
+    environment_reward: float | None = None  # the last reward an environment's step gave (batchrl.agents.environment)
 
     def append(self, token_ids: list[int], logprobs: list[float], *, policy: bool, text: str) -> None:
         self.token_ids += token_ids
@@ -109,15 +110,15 @@ def run_conversations(
         live = [c for c in conversations if c.status is None]
         if not live:
             break
-        allowances = [_allowance(c, sampling.max_new_tokens, settings) for c in live]
+        allowances = [allowance(c, sampling.max_new_tokens, settings) for c in live]
         groups = engine.generate(
             [c.prompt_token_ids + c.token_ids for c in live],
             seeds=[[turn_seed(c.seed, turn)] for c in live],
             sampling=replace(sampling, max_new_tokens=max(allowances), stop=stop),
         )
         calling = []
-        for conversation, (record,), allowance in zip(live, groups, allowances, strict=True):
-            calls = _take_turn(conversation, record, allowance, tokenizer=tokenizer, parse=parse)
+        for conversation, (record,), cap in zip(live, groups, allowances, strict=True):
+            calls = _take_turn(conversation, record, cap, tokenizer=tokenizer, parse=parse)
             if calls and turn == settings.max_turns - 1:
                 conversation.status = "max_turns"
             elif calls:
@@ -126,12 +127,12 @@ def run_conversations(
     return conversations
 
 
-def _allowance(conversation: Conversation, max_new_tokens: int, settings: LoopSettings) -> int:
+def allowance(conversation: Conversation, max_new_tokens: int, settings: LoopSettings) -> int:
     """The tokens a conversation's next turn may generate: max_new_tokens, within its budget and the context."""
-    allowance = min(max_new_tokens, settings.max_response_tokens - len(conversation.token_ids))
+    tokens = min(max_new_tokens, settings.max_response_tokens - len(conversation.token_ids))
     if settings.max_context:
-        allowance = min(allowance, settings.max_context - len(conversation.prompt_token_ids + conversation.token_ids))
-    return allowance
+        tokens = min(tokens, settings.max_context - len(conversation.prompt_token_ids + conversation.token_ids))
+    return tokens
 
 
 def _take_turn(

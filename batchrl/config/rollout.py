@@ -59,6 +59,23 @@ class DataConfig(_Strict):
     )
 
 
+class EnvironmentConfig(_Strict):
+    """generate.environment: a class the policy's turns are played against (README, 'Environments')."""
+
+    call: str = Field(
+        description="The environment class as 'package.module:Class': reset(row) -> optional first observation, "
+        "step(action) -> (observation or None, reward or None, done); one instance per sample."
+    )
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the class's constructor.")
+
+    @field_validator("call")
+    @classmethod
+    def _check_call(cls, call: str) -> str:
+        if not is_reference(call):
+            raise ValueError(f"generate.environment.call={call!r} must look like 'package.module:Class'")
+        return call
+
+
 class GenerateConfig(ActorResources):
     """Rollout generation: num_actors engine replicas, each a Ray Data actor of gpus_per_actor GPUs (set
     tensor_parallel_size to match) or CPUs."""
@@ -127,6 +144,13 @@ class GenerateConfig(ActorResources):
         "tool_error instead of being answered with the error.",
     )
 
+    environment: EnvironmentConfig | None = Field(
+        None,
+        description="An environment the policy's turns are played against (multi-turn rollouts; README, "
+        "'Environments'): after each turn its step(action) answers with an observation (appended as tool tokens), "
+        "a reward (the rollouts' environment_rewards, read by the score term 'environment') and whether it is done. "
+        "Not with generate.tools (an environment that offers tools parses the calls in its own step).",
+    )
     tools_in_prompt: Literal["auto", "always", "never"] = Field(
         "auto",
         description="With tools: whether the prompts' chat template is given the tools' JSON schemas to render "
@@ -168,7 +192,12 @@ class GenerateConfig(ActorResources):
 
     @model_validator(mode="after")
     def _check_tool_fields(self) -> GenerateConfig:
-        if not self.tools:  # a loop setting without tools would silently do nothing
+        if self.tools and self.environment is not None:
+            raise ValueError(
+                "generate.environment and generate.tools are both set: an environment owns its conversations (its "
+                "step can parse and answer tool calls itself); set one of them"
+            )
+        if not self.tools and self.environment is None:  # a loop setting without a loop would silently do nothing
             names = (
                 "max_turns",
                 "max_response_tokens",
@@ -181,13 +210,14 @@ class GenerateConfig(ActorResources):
             if changed:
                 raise ValueError(
                     f"generate.{changed[0]} is set but generate.tools is empty: it applies to multi-turn rollouts "
-                    "only; list the tools, or remove it"
+                    "only; list the tools (or set generate.environment), or remove it"
                 )
         return self
 
     def response_token_budget(self) -> int:
         """A sample's response tokens at most: generate.max_response_tokens with tools, else max_new_tokens."""
-        return (self.max_response_tokens or self.max_new_tokens) if self.tools else self.max_new_tokens
+        multi_turn = self.tools or self.environment is not None
+        return (self.max_response_tokens or self.max_new_tokens) if multi_turn else self.max_new_tokens
 
     def is_logged(self, iteration: int | None) -> bool:
         """Whether ``iteration``'s rollouts are the logged responses (generate.logged)."""

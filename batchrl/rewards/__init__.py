@@ -13,7 +13,8 @@ A reward is named either by its key in REWARDS or as ``"package.module:function"
 Row fields (ROW_FIELDS) that the score stage passes to every call: prompt_id, data_source, prompt_text,
 extra_info (the input's extra_info, parsed), sample_idx (0..n-1 within the group), response_length (response
 tokens) and finish_reason ("stop" or "length"); with a judge: section also judge_score (the judge's verdict, None
-where it failed) and judge_error (why it failed), read by the ``judge`` term (batchrl.rewards.judge). A term's
+where it failed) and judge_error (why it failed), read by the ``judge`` term (batchrl.rewards.judge); with
+generate.environment also environment_reward, read by the ``environment`` term. A term's
 ``params`` (config) are passed as further keyword arguments; each must be a named parameter of the function and must
 not reuse a row field's name.
 """
@@ -30,6 +31,7 @@ from batchrl.references import import_reference, source_digest
 from batchrl.rewards.basic import exact_match, format_hash, format_think
 from batchrl.rewards.boxed import format_boxed, math_boxed
 from batchrl.rewards.code import code_tests
+from batchrl.rewards.environment import environment
 from batchrl.rewards.gsm8k import gsm8k_flexible, gsm8k_strict
 from batchrl.rewards.judge import judge
 from batchrl.rewards.labels import label_free, needs_ground_truth
@@ -51,6 +53,7 @@ REWARDS: dict[str, RewardFn] = {
     "truncation_penalty": truncation_penalty,
     "code_tests": code_tests,  # runs the response's program against the row's tests in batchrl.sandbox
     "judge": judge,  # the judge stage's verdict (judge: section)
+    "environment": environment,  # the reward generate.environment gave the sample
 }
 
 DATA_SOURCE_DEFAULTS: dict[str, str] = {
@@ -65,6 +68,7 @@ DATA_SOURCE_DEFAULTS: dict[str, str] = {
 
 ROW_FIELDS = ("prompt_id", "data_source", "prompt_text", "extra_info", "sample_idx", "response_length", "finish_reason")
 JUDGE_ROW_FIELDS = ("judge_score", "judge_error")  # row fields too, in a pipeline with a judge: section
+ENVIRONMENT_ROW_FIELDS = ("environment_reward",)  # a row field too, in rollouts played against generate.environment
 
 __all__ = [
     "DATA_SOURCE_DEFAULTS",
@@ -179,7 +183,7 @@ def check_reward_params(reward_fn: RewardFn, params: Mapping[str, Any], *, name:
         for p in parameters.values()
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
-    shadowing = sorted(set(params) & {*ROW_FIELDS, *JUDGE_ROW_FIELDS})
+    shadowing = sorted(set(params) & {*ROW_FIELDS, *JUDGE_ROW_FIELDS, *ENVIRONMENT_ROW_FIELDS})
     if shadowing:
         raise ValueError(f"reward {name!r}: params {shadowing} would replace row fields of the same name; rename them")
     unknown = sorted(set(params) - named)
@@ -196,6 +200,7 @@ def check_reward_params(reward_fn: RewardFn, params: Mapping[str, Any], *, name:
         and p.name not in params
         and p.name not in ROW_FIELDS
         and p.name not in JUDGE_ROW_FIELDS
+        and p.name not in ENVIRONMENT_ROW_FIELDS
     )
     if missing:
         raise ValueError(f"reward {name!r} needs params {missing}; set them in the term's `params:`")

@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchrl.agents.columns import tool_stats
+from batchrl.agents.environment import environment_stats
 from batchrl.agents.tools import tool_digests
 from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
 from batchrl.config import PipelineConfig
@@ -35,6 +36,7 @@ from batchrl.errors import DataError
 from batchrl.pipeline.deadlines import DeadlineStats, run_with_deadlines, task_retries
 from batchrl.pipeline.shards import FinishedShards, ShardWorker, map_shards, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
+from batchrl.references import source_digest
 from batchrl.storage import join, local_copy
 from batchrl.storage.layout import part_name
 from batchrl.storage.manifest import Manifest
@@ -74,7 +76,8 @@ class ShardSettings:
     iteration: int
     policy_version: int | None = None  # recorded in the rollouts (None: the iteration; see behaviour_version)
     tools: tuple[str, ...] = ()  # generate.tools: multi-turn conversations (batchrl.agents) instead of one answer
-    loop: dict[str, Any] | None = None  # batchrl.agents.loop.LoopSettings' fields, with tools
+    loop: dict[str, Any] | None = None  # batchrl.agents.loop.LoopSettings' fields, with tools or an environment
+    environment: dict[str, Any] | None = None  # generate.environment ({call, params}): played against, no tools
 
 
 class GenerateWorker(ShardWorker):
@@ -136,8 +139,8 @@ class GenerateWorker(ShardWorker):
         ]
         prompts, sampling = table.column("prompt_token_ids").to_pylist(), SamplingSpec(**s.sampling)
         started = time.perf_counter()
-        if s.tools:
-            columns, counts = self.converse(prompts, seeds, sampling=sampling)
+        if s.tools or s.environment:
+            columns, counts = self.converse(prompts, seeds, sampling=sampling, table=table)
         else:
             groups = self.engine.generate(prompts, seeds=seeds, sampling=sampling)
             columns, counts = single_turn_columns(groups), {}
@@ -150,12 +153,14 @@ class GenerateWorker(ShardWorker):
         return out, summarize_rollouts(out) | counts | {"engine_time_s": elapsed}
 
     def converse(
-        self, prompts: list[list[int]], seeds: list[list[int]], *, sampling: Any
+        self, prompts: list[list[int]], seeds: list[list[int]], *, sampling: Any, table: pa.Table
     ) -> tuple[dict[str, list[Any]], dict[str, int]]:
-        """generate.tools: each sample is a conversation of the agent loop (batchrl.agents), batched per turn."""
+        """generate.tools or generate.environment: each sample is a conversation of the agent loop (batchrl.agents),
+        batched per turn."""
         from transformers import AutoTokenizer
 
         from batchrl.agents.columns import generate_conversations
+        from batchrl.agents.environment import ENVIRONMENT_ROW_COLUMNS, environment_rows, generate_episodes
         from batchrl.agents.loop import LoopSettings
         from batchrl.agents.tools import load_tools
 
@@ -164,13 +169,26 @@ class GenerateWorker(ShardWorker):
             self.tokenizer = AutoTokenizer.from_pretrained(
                 local_copy(self.spec.initial_policy), trust_remote_code=trust
             )
+        settings = LoopSettings(**self.settings.loop, max_context=self.spec.max_model_len)
+        if self.settings.environment:
+            rows = environment_rows(table.select(ENVIRONMENT_ROW_COLUMNS).to_pydict(), seeds)
+            return generate_episodes(
+                self.engine,
+                prompts,
+                seeds,
+                rows,
+                sampling=sampling,
+                environment=self.settings.environment,
+                settings=settings,
+                tokenizer=self.tokenizer,
+            )
         return generate_conversations(
             self.engine,
             prompts,
             seeds,
             sampling=sampling,
             tools=load_tools(list(self.settings.tools)),
-            settings=LoopSettings(**self.settings.loop, max_context=self.spec.max_model_len),
+            settings=settings,
             tokenizer=self.tokenizer,
         )
 
@@ -331,6 +349,8 @@ class GenerateStage(Stage):
         batches = {"prompts_per_iteration": cfg.data.prompts_per_iteration, "batch_rows": "row_order"}
         # tools: the source of each user tool's module, so that editing a tool regenerates (as custom rewards rescore)
         tools = {"tool_sources": tool_digests(cfg.generate.tools)} if cfg.generate.tools else {}
+        if cfg.generate.environment is not None:  # editing the environment's module regenerates as well
+            tools = {"environment_source": source_digest(cfg.generate.environment.call)}
         return (
             {
                 "generate": fingerprint_dump(cfg.generate, exclude_defaults=True),
@@ -488,8 +508,9 @@ def engine_spec(cfg: PipelineConfig) -> EngineSpec:
 
 
 def loop_settings(g: Any) -> dict[str, Any]:
-    """ShardSettings' tools and loop fields from the generate section (none without tools: single-turn)."""
-    if not g.tools:
+    """ShardSettings' tools, environment and loop fields from the generate section (none without tools or an
+    environment: single-turn)."""
+    if not g.tools and g.environment is None:
         return {}
     loop = {
         "max_turns": g.max_turns,
@@ -498,11 +519,12 @@ def loop_settings(g: Any) -> dict[str, Any]:
         "max_parallel_tool_calls": g.max_parallel_tool_calls,
         "stop_on_tool_error": g.stop_on_tool_error,
     }
-    return {"tools": tuple(g.tools), "loop": loop}
+    environment = {} if g.environment is None else {"environment": g.environment.model_dump()}
+    return {"tools": tuple(g.tools), "loop": loop} | environment
 
 
 def _stats(counts: dict[str, float], timings: list[dict[str, float]]) -> dict[str, float]:
-    stats: dict[str, float] = tool_stats(counts)
+    stats: dict[str, float] = tool_stats(counts) | environment_stats(counts)
     if counts.get("num_samples"):
         stats["response_length/mean"] = counts["response_tokens"] / counts["num_samples"]
         stats["response_length/max"] = counts["response_length_max"]

@@ -275,8 +275,10 @@ def gc_paused() -> Iterator[None]:
 def sample_tasks(table: pa.Table) -> tuple[list[tuple], np.ndarray]:
     """One (response, ground_truth, group fields, sample_idx, response_length, finish_reason) per sample (the
     reward's row fields are combine.sample_row of the last four), and the group row index of each sample. A table
-    the judge stage wrote adds each sample's verdict to its row fields (judge_score, judge_error)."""
+    the judge stage wrote adds each sample's verdict to its row fields (judge_score, judge_error); one played against
+    generate.environment its environment_reward."""
     judged = "judge_scores" in table.column_names
+    played = "environment_rewards" in table.column_names  # rows played against generate.environment, or null
     columns = table.select(
         [
             "prompt_id",
@@ -289,6 +291,7 @@ def sample_tasks(table: pa.Table) -> tuple[list[tuple], np.ndarray]:
             "finish_reasons",
         ]
         + (["judge_scores", "judge_errors"] if judged else [])
+        + (["environment_rewards"] if played else [])
     ).to_pydict()
     tasks, row_of_sample = [], []
     for r in range(table.num_rows):
@@ -308,6 +311,8 @@ def sample_tasks(table: pa.Table) -> tuple[list[tuple], np.ndarray]:
             if judged:
                 verdict = {"judge_score": columns["judge_scores"][r][sample_idx]}
                 fields = {**group, **verdict, "judge_error": columns["judge_errors"][r][sample_idx]}
+            if played and columns["environment_rewards"][r] is not None:
+                fields = {**fields, "environment_reward": columns["environment_rewards"][r][sample_idx]}
             tasks.append((response, truth, fields, sample_idx, length, finish_reason))
             row_of_sample.append(r)
     return tasks, np.asarray(row_of_sample, dtype=np.int64)

@@ -1,0 +1,298 @@
+"""Environments (generate.environment): the policy's turns played against a user's class, which answers each turn
+with an observation and can give the sample a reward.
+
+An environment is a class named ``package.module:Class`` and built with ``Class(**generate.environment.params)``,
+one instance per sample. Its contract (no base class to inherit: any class with these two methods):
+
+- ``reset(row) -> str | None``: the sample begins. ``row`` is the prompt row (prompt_id, data_source, prompt_text,
+  messages, ground_truth, extra_info) with the sample's ``sample_idx`` and ``sample_seed``; an environment that
+  draws anything at random seeds its RNG from ``sample_seed``, so that a regenerated shard equals the lost one.
+  A returned text is a first observation, appended after the prompt before the policy's first turn.
+- ``step(action) -> Step | (observation, reward, done)``: after each policy turn, with the turn's text. An
+  observation (a str) is appended as the next turn's context unless ``done``; None ends the sample. A reward (a
+  number) is remembered: the sample's environment reward is the LAST one given (an environment that wants a
+  total keeps its own sum), null when none was.
+
+The loop (`run_episodes`) is the tool loop's (`batchrl.agents.loop`) with the environment in the tools' place: one
+``engine.generate`` per turn over every live sample, per-turn seeds (`turn_seed`), policy tokens with mask 1,
+observations rendered as the template's tool turn (`ToolTurnFormat.render_observation`), tokenised once and
+appended with mask 0, never re-tokenised. Generation stops at EOS or generate.stop only (no call tag). Every
+policy turn is stepped, the last one too (at max_turns or cut at the budget), so the environment can reward it;
+its observation is then not appended. Status: completed (done, or no observation), length, max_turns, aborted,
+or env_error: reset or step raised or returned something else than the contract says, a counted error of that
+sample (its reward null), never a failed stage. Steps run in the shard's process one after the other: an
+environment that waits on something slow belongs behind generate.shard_timeout_s, as a hung engine does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from batchrl.agents.calls import ToolTurnFormat
+from batchrl.agents.loop import CHARS_PER_TOKEN, Conversation, LoopSettings, allowance, turn_seed
+from batchrl.errors import ConfigError, type_phrase
+from batchrl.references import import_reference
+
+
+@dataclass(frozen=True)
+class Step:
+    """What an environment's step answers: the next observation (None: the sample ends), a reward, and done."""
+
+    observation: str | None = None
+    reward: float | None = None
+    done: bool = False
+
+
+def as_step(value: Any) -> Step:
+    """A step's return value as a Step; ValueError saying what it is instead."""
+    if isinstance(value, Step):
+        step = value
+    elif isinstance(value, tuple) and len(value) == 3:
+        step = Step(*value)
+    else:
+        raise ValueError(f"step returned {type_phrase(value)}, not a Step or (observation, reward, done)")
+    if step.observation is not None and not isinstance(step.observation, str):
+        raise ValueError(f"step's observation is {type_phrase(step.observation)}, not a str or None")
+    reward = step.reward
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+        raise ValueError(f"step's reward is {type_phrase(reward)}, not a number or None")
+    if reward is not None and not math.isfinite(reward):
+        raise ValueError(f"step's reward is {reward}, not a finite number")
+    return replace(step, reward=None if reward is None else float(reward), done=bool(step.done))
+
+
+def load_environment(call: str) -> type:
+    """The class generate.environment.call names; ValueError saying why it is not an environment."""
+    cls = import_reference(call, what="environment")
+    if not inspect.isclass(cls):
+        raise ValueError(f"is {type_phrase(cls)}, not a class")
+    missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
+    if missing:
+        raise ValueError(f"has no {' and no '.join(missing)} method: an environment has reset(row) and step(action)")
+    return cls
+
+
+def check_environment(environment: Any, *, source: str | None = None) -> None:
+    """ConfigError (exit 2) naming generate.environment.call when it is not an environment (imports its module)."""
+    if environment is None:
+        return
+    try:
+        load_environment(environment.call)
+    except ValueError as error:
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}generate.environment.call={environment.call!r}: {error}") from None
+
+
+ENVIRONMENT_ROW_COLUMNS = [
+    "prompt_id",
+    "data_source",
+    "prompt_text",
+    "messages_json",
+    "ground_truth",
+    "extra_info_json",
+]
+
+
+def environment_rows(columns: dict[str, list[Any]], seeds: list[list[int]]) -> list[dict[str, Any]]:
+    """What each sample's reset(row) is given, one per sample in shard order, from the prompts' columns."""
+    rows = []
+    for r, group in enumerate(seeds):
+        extra, messages = columns["extra_info_json"][r], columns["messages_json"][r]
+        row = {
+            "prompt_id": columns["prompt_id"][r],
+            "data_source": columns["data_source"][r],
+            "prompt_text": columns["prompt_text"][r],
+            "messages": json.loads(messages) if messages else None,
+            "ground_truth": columns["ground_truth"][r],
+            "extra_info": json.loads(extra) if extra else None,
+        }
+        rows += [row | {"sample_idx": i, "sample_seed": seed} for i, seed in enumerate(group)]
+    return rows
+
+
+@dataclass
+class _Episode:
+    """A conversation and its environment instance (None once it failed)."""
+
+    conversation: Conversation
+    env: Any
+
+
+def run_episodes(
+    engine: Any,
+    prompt_token_ids: list[list[int]],
+    seeds: list[int],
+    rows: list[dict[str, Any]],
+    *,
+    sampling: Any,
+    make_env: Callable[[], Any],
+    settings: LoopSettings,
+    tokenizer: Any,
+    turn_format: ToolTurnFormat,
+) -> list[Conversation]:
+    """One conversation per (prompt, seed, row), played against its own ``make_env()`` (module docstring)."""
+    episodes = [_Episode(Conversation(list(p), s), None) for p, s in zip(prompt_token_ids, seeds, strict=True)]
+    for episode, row in zip(episodes, rows, strict=True):
+        observation = _call(episode, "reset", _reset, make_env, row, episode, turn=-1)
+        if episode.conversation.status is None and observation is not None:
+            _observe(episode.conversation, observation, settings, tokenizer, turn_format)
+    for turn in range(settings.max_turns):
+        for e in episodes:
+            c = e.conversation
+            if (
+                c.status is None
+                and settings.max_context
+                and len(c.prompt_token_ids + c.token_ids) >= settings.max_context
+            ):
+                c.status = "aborted"
+        live = [e for e in episodes if e.conversation.status is None]
+        if not live:
+            break
+        allowances = [allowance(e.conversation, sampling.max_new_tokens, settings) for e in live]
+        groups = engine.generate(
+            [e.conversation.prompt_token_ids + e.conversation.token_ids for e in live],
+            seeds=[[turn_seed(e.conversation.seed, turn)] for e in live],
+            sampling=replace(sampling, max_new_tokens=max(allowances)),
+        )
+        for episode, (record,), cap in zip(live, groups, allowances, strict=True):
+            _play_turn(episode, record, cap, turn=turn, settings=settings, tokenizer=tokenizer, turn_format=turn_format)
+    return [e.conversation for e in episodes]
+
+
+def _reset(make_env: Callable[[], Any], row: dict[str, Any], episode: _Episode) -> Any:
+    episode.env = make_env()
+    observation = episode.env.reset(dict(row))
+    if observation is not None and not isinstance(observation, str):
+        raise ValueError(f"reset returned {type_phrase(observation)}, not a str or None")
+    return observation
+
+
+def _step(env: Any, action: str) -> Step:
+    return as_step(env.step(action))
+
+
+def _play_turn(
+    episode: _Episode, record: Any, cap: int, *, turn: int, settings: LoopSettings, tokenizer: Any, turn_format: Any
+) -> None:
+    """Appends the policy's turn (cut to ``cap`` tokens), steps the environment with its text, and appends the
+    observation or ends the sample."""
+    c = episode.conversation
+    c.turns += 1
+    cut = len(record.token_ids) > cap
+    text = tokenizer.decode(record.token_ids[:cap], skip_special_tokens=True) if cut else record.text
+    c.finish_reason = "length" if cut else record.finish_reason
+    c.append(record.token_ids[:cap], record.logprobs[:cap], policy=True, text=text)
+    step = _call(episode, "step", _step, episode.env, text, turn=turn)
+    if c.status is not None:  # the step failed
+        return
+    if step.reward is not None:
+        c.environment_reward = step.reward
+    if cut or len(c.token_ids) >= settings.max_response_tokens:
+        c.status = "length"
+    elif step.done or step.observation is None:
+        c.status = "completed"
+    elif turn == settings.max_turns - 1:
+        c.status = "max_turns"
+    else:
+        _observe(c, step.observation, settings, tokenizer, turn_format)
+
+
+def _call(episode: _Episode, name: str, function: Callable[..., Any], *args: Any, turn: int) -> Any:
+    """Runs reset or step, recording it in the conversation's calls ({name, output, reward, done, error, detail,
+    seconds, turn}); a failure ends the sample with status env_error and no reward."""
+    c, started = episode.conversation, time.monotonic()
+    record: dict[str, Any] = {"name": name, "arguments": {}, "output": None, "error": None, "detail": "", "turn": turn}
+    try:
+        result = function(*args)
+    except Exception as error:  # the environment's failure is the sample's, never the stage's
+        record |= {"error": "exception", "detail": f"{type(error).__name__}: {error}"}
+        c.status, c.environment_reward, result = "env_error", None, None
+    if isinstance(result, Step):
+        record |= {"output": result.observation, "reward": result.reward, "done": result.done}
+    elif name == "reset":
+        record["output"] = result
+    c.calls.append(record | {"seconds": round(time.monotonic() - started, 6)})
+    return result
+
+
+def _observe(c: Conversation, observation: str, settings: LoopSettings, tokenizer: Any, turn_format: Any) -> None:
+    """Appends an observation as the template's tool turn (mask 0), cut to the sample's budget."""
+    room = settings.max_response_tokens - len(c.token_ids)
+    if len(observation) > CHARS_PER_TOKEN * room:  # a megabyte of observation is neither tokenised nor stored
+        observation = observation[: CHARS_PER_TOKEN * room] + " [cut]"
+    text = turn_format.render_observation(observation)
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    c.append(token_ids[:room], [0.0] * len(token_ids[:room]), policy=False, text=text)
+    if len(token_ids) >= room:
+        c.status = "length"
+
+
+def environment_counts(conversations: list[Conversation]) -> dict[str, float]:
+    """generate's counters of an environment's samples (summed over shards): rewarded samples and their rewards'
+    sum, failed samples, policy turns, observation tokens."""
+    rewards = [c.environment_reward for c in conversations if c.environment_reward is not None]
+    return {
+        "env_rewarded": len(rewards),
+        "env_reward_sum": sum(rewards),
+        "env_errors": sum(1 for c in conversations if c.status == "env_error"),
+        "env_turns": sum(c.turns for c in conversations),
+        "env_observation_tokens": sum(len(c.mask) - sum(c.mask) for c in conversations),
+    }
+
+
+def environment_stats(counts: dict[str, float]) -> dict[str, float]:
+    """generate's environment metrics (empty without an environment): the mean reward of the rewarded samples,
+    the share of samples rewarded and of samples whose environment failed, turns per sample, samples by status."""
+    samples = counts.get("num_samples", 0)
+    if "env_rewarded" not in counts or not samples:
+        return {}
+    rewarded = counts["env_rewarded"]
+    by_status = {f"environment/stop/{k[len('env_stop/') :]}": v for k, v in counts.items() if k.startswith("env_stop/")}
+    return {
+        "environment/reward_mean": counts["env_reward_sum"] / rewarded if rewarded else 0.0,
+        "environment/rewarded_rate": rewarded / samples,
+        "environment/error_rate": counts.get("env_errors", 0) / samples,
+        "environment/turns_mean": counts.get("env_turns", 0) / samples,
+    } | by_status
+
+
+def generate_episodes(
+    engine: Any,
+    prompt_token_ids: list[list[int]],
+    seeds: list[list[int]],
+    rows: list[dict[str, Any]],
+    *,
+    sampling: Any,
+    environment: dict[str, Any],
+    settings: LoopSettings,
+    tokenizer: Any,
+) -> tuple[dict[str, list[Any]], dict[str, float]]:
+    """A shard's rollouts played against generate.environment ({call, params}): the response columns grouped per
+    prompt (the tool loop's, with the steps in tool_calls, and environment_rewards) and generate's counts."""
+    from batchrl.agents.columns import conversation_columns, regroup
+
+    cls, params = load_environment(environment["call"]), dict(environment.get("params") or {})
+    conversations = run_episodes(
+        engine,
+        [prompt for prompt, group in zip(prompt_token_ids, seeds, strict=True) for _ in group],
+        [seed for group in seeds for seed in group],
+        rows,
+        sampling=sampling,
+        make_env=lambda: cls(**params),
+        settings=settings,
+        tokenizer=tokenizer,
+        turn_format=ToolTurnFormat.for_chat_template(getattr(tokenizer, "chat_template", None)),
+    )
+    groups = regroup(conversations, seeds)
+    columns = conversation_columns(groups)
+    columns["environment_rewards"] = [[c.environment_reward for c in group] for group in groups]
+    statuses = Counter(c.status for c in conversations)
+    counts = environment_counts(conversations) | {f"env_stop/{status}": n for status, n in sorted(statuses.items())}
+    return columns, counts

@@ -1,0 +1,128 @@
+"""Environments on a real engine (the toy model, hf): the policy's turns are stepped, each observation is appended
+as tokens with mask 0 (after the prompt for reset's, after each turn for step's), the sample's reward is the last one
+given, and a failing environment is that sample's env_error, never the shard's. Token in, token out as the tool
+loop: every turn is prompted with the ids so far."""
+
+from __future__ import annotations
+
+import pytest
+from custom_environments import BadReset, Countdown, Endless, FailsOnOddSamples
+from test_agent_loop import Recording
+
+from batchrl.agents.calls import ToolTurnFormat
+from batchrl.agents.environment import Step, as_step, run_episodes
+from batchrl.agents.loop import LoopSettings, turn_seed
+from batchrl.engines import SamplingSpec, make_engine
+
+SEEDS = [21, 22, 23, 24]
+SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=6)
+PLAIN = ToolTurnFormat.for_chat_template(None)
+
+
+@pytest.fixture(scope="module")
+def engine(toy_model_dir):
+    engine = make_engine("hf", model_path=toy_model_dir, max_model_len=256)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(toy_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(toy_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Count down."}], add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return [list(ids)] * len(SEEDS)
+
+
+def rows():
+    return [{"prompt_id": f"p{k}", "sample_idx": k, "sample_seed": seed} for k, seed in enumerate(SEEDS)]
+
+
+def play(engine, tokenizer, prompts, make_env, *, max_turns=3, budget=200):
+    recording = Recording(engine)
+    conversations = run_episodes(
+        recording,
+        prompts,
+        SEEDS,
+        rows(),
+        sampling=SAMPLING,
+        make_env=make_env,
+        settings=LoopSettings(max_turns=max_turns, max_response_tokens=budget),
+        tokenizer=tokenizer,
+        turn_format=PLAIN,
+    )
+    return conversations, recording.calls
+
+
+def observation_ids(tokenizer, text):
+    return tokenizer.encode(PLAIN.render_observation(text), add_special_tokens=False)
+
+
+def test_observations_are_appended_as_tokens_with_mask_zero_between_the_engines_turns(engine, tokenizer, prompts):
+    conversations, calls = play(engine, tokenizer, prompts, Countdown)
+    assert len(calls) == 2, "Countdown(turns=2) plays two policy turns"
+    for k, c in enumerate(conversations):
+        first = observation_ids(tokenizer, Countdown().reset(rows()[k]))
+        turn0 = calls[0][2][k][0]
+        middle = observation_ids(tokenizer, "1 left")
+        turn1 = calls[1][2][k][0]
+        assert c.token_ids == first + turn0.token_ids + middle + turn1.token_ids
+        assert c.mask == [0] * len(first) + [1] * len(turn0.token_ids) + [0] * len(middle) + [1] * len(turn1.token_ids)
+        # each turn is prompted with the ids so far, with the turn's seed
+        assert calls[0][0][k] == prompts[k] + first and calls[0][1][k] == [SEEDS[k]]
+        assert calls[1][0][k] == prompts[k] + first + turn0.token_ids + middle
+        assert calls[1][1][k] == [turn_seed(SEEDS[k], 1)]
+        assert c.turns == 2 and c.status == "completed"
+        assert c.environment_reward == float(len(turn1.text))  # the last step's reward
+        assert [call["name"] for call in c.calls] == ["reset", "step", "step"]
+        assert c.calls[-1]["done"] is True and c.calls[1]["output"] == "1 left"
+
+
+def test_the_same_seeds_give_the_same_episodes(engine, tokenizer, prompts):
+    first, _ = play(engine, tokenizer, prompts, Countdown)
+    again, _ = play(engine, tokenizer, prompts, Countdown)
+    assert [(c.token_ids, c.mask, c.environment_reward, c.status) for c in again] == [
+        (c.token_ids, c.mask, c.environment_reward, c.status) for c in first
+    ]
+
+
+def test_an_environment_never_done_ends_at_max_turns_with_its_last_turn_stepped_and_rewarded(
+    engine, tokenizer, prompts
+):
+    conversations, calls = play(engine, tokenizer, prompts, lambda: Endless(turns=0), max_turns=3)
+    assert len(calls) == 3
+    for c in conversations:
+        assert c.status == "max_turns" and c.turns == 3
+        assert c.environment_reward == 3.0  # the third step's reward: the last given
+        assert c.text.count("go on") == 2  # the last step's observation is not appended
+
+
+def test_a_failing_step_is_its_samples_env_error_and_the_others_play_on(engine, tokenizer, prompts):
+    conversations, _ = play(engine, tokenizer, prompts, FailsOnOddSamples)
+    for k, c in enumerate(conversations):
+        if k % 2:
+            assert c.status == "env_error" and c.environment_reward is None and c.turns == 1
+            assert c.calls[-1]["error"] == "exception" and "RuntimeError: odd sample" in c.calls[-1]["detail"]
+        else:
+            assert c.status == "completed" and c.environment_reward is not None
+
+
+def test_a_reset_that_breaks_the_contract_ends_the_sample_before_any_turn(engine, tokenizer, prompts):
+    conversations, calls = play(engine, tokenizer, prompts, BadReset)
+    assert calls == []
+    assert all(c.status == "env_error" and c.token_ids == [] for c in conversations)
+    assert "not a str or None" in conversations[0].calls[0]["detail"]
+
+
+def test_a_step_answers_a_step_or_a_triple_of_observation_reward_done():
+    assert as_step(("more", 1, False)) == Step("more", 1.0, False)
+    assert as_step(Step(None, None, True)) == Step(None, None, True)
+    for bad, says in [(None, "not a Step"), (("x", "1", False), "reward is a str"), ((3, 1.0, True), "observation")]:
+        with pytest.raises(ValueError, match=says):
+            as_step(bad)
