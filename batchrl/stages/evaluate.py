@@ -103,8 +103,8 @@ class EvaluateStage(Stage):
                 "dtype": cfg.model.dtype,
                 "seed": cfg.run.seed,
             }
-            # with tools the held-out samples are conversations too (absent without: fingerprints as they were)
-            | ({"tools": loop_settings(cfg.generate)} if cfg.generate.tools else {})
+            # with tools or an environment the held-out samples are conversations too (absent without: as they were)
+            | ({"tools": loop_settings(cfg.generate)} if loop_settings(cfg.generate) else {})
             | tool_schema_fingerprint(cfg)  # as the held-out prompts' (heldout_fingerprint_config)
         )
 

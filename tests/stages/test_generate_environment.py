@@ -13,6 +13,7 @@ from test_score_components import HEALTHY_CALL_S, column, rollouts, score
 
 from batchrl.config import validate_dict
 from batchrl.rewards.combine import TermSpec
+from batchrl.stages.evaluate import EvaluateStage
 from batchrl.stages.generate import GenerateStage
 
 
@@ -91,6 +92,9 @@ def test_the_environment_and_its_source_are_in_generates_fingerprint_only_when_s
     assert len(prints["environment_source"]) == 16
     plain = config(tmp_path, toy_model_dir, str(tmp_path), "hf")
     assert "environment_source" not in GenerateStage().fingerprint_config(plain)
+    # the held-out samples are played against it too, so the evaluation's fingerprint holds it
+    assert EvaluateStage().fingerprint_config(cfg)["tools"]["environment"]["call"] == "custom_environments:Countdown"
+    assert "tools" not in EvaluateStage().fingerprint_config(plain)
 
 
 def test_the_environment_term_scores_the_environments_reward_and_a_sample_without_one_fails_or_scores_its_default():
