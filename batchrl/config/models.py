@@ -211,6 +211,16 @@ class PipelineConfig(_Strict):
             raise ValueError(problem)
         return self
 
+    @model_validator(mode="after")
+    def _check_environment_term(self) -> PipelineConfig:
+        uses = [i for i, t in enumerate(self.score.rewards) if t.reward == "environment"]
+        if uses and self.generate.environment is None:  # every sample would fail the term
+            raise ValueError(
+                f"score.rewards[{uses[0]}] has reward: environment, which reads the reward generate.environment "
+                "gives, but generate.environment is not set"
+            )
+        return self
+
     @property
     def run_id(self) -> str:
         return self.run.id or self.name

@@ -129,3 +129,12 @@ def test_an_environment_with_tools_or_a_call_that_is_no_class_is_a_config_error_
         ConfigError, match=r"generate.environment.call='custom_environments:not_a_class': is a function"
     ):
         check_environment(validate_dict(raw).generate.environment)
+
+
+def test_the_environment_term_without_an_environment_is_a_config_error_naming_the_term(tmp_path, toy_model_dir):
+    raw = config(tmp_path, toy_model_dir, str(tmp_path), "hf").model_dump()
+    raw["score"]["rewards"] = [{"reward": "gsm8k"}, {"reward": "environment"}]
+    with pytest.raises(ValueError, match=r"score.rewards\[1\] has reward: environment.*generate.environment is not"):
+        validate_dict(raw)
+    raw["generate"]["environment"] = {"call": "custom_environments:Countdown"}
+    assert validate_dict(raw).score.rewards[1].reward == "environment"
