@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 from batchrl.agents.calls import ToolTurnFormat
+from batchrl.agents.environment import environment_counts, episode_lines, is_episode, load_environment, run_episodes
 from batchrl.agents.loop import Conversation, LoopSettings, run_conversations
 
 
@@ -109,6 +110,39 @@ def regroup(conversations: list[Conversation], seeds: list[list[int]]) -> list[l
     return groups
 
 
+def generate_episodes(
+    engine: Any,
+    prompt_token_ids: list[list[int]],
+    seeds: list[list[int]],
+    rows: list[dict[str, Any]],
+    *,
+    sampling: Any,
+    environment: dict[str, Any],
+    settings: LoopSettings,
+    tokenizer: Any,
+) -> tuple[dict[str, list[Any]], dict[str, float]]:
+    """A shard's rollouts played against generate.environment ({call, params}): the response columns grouped per
+    prompt (the tool loop's, with the steps in tool_calls, and environment_rewards) and generate's counts."""
+    cls, params = load_environment(environment["call"]), dict(environment.get("params") or {})
+    conversations = run_episodes(
+        engine,
+        [prompt for prompt, group in zip(prompt_token_ids, seeds, strict=True) for _ in group],
+        [seed for group in seeds for seed in group],
+        rows,
+        sampling=sampling,
+        make_env=lambda: cls(**params),
+        settings=settings,
+        tokenizer=tokenizer,
+        turn_format=ToolTurnFormat.for_chat_template(getattr(tokenizer, "chat_template", None)),
+    )
+    groups = regroup(conversations, seeds)
+    columns = conversation_columns(groups)
+    columns["environment_rewards"] = [[c.environment_reward for c in group] for group in groups]
+    statuses = Counter(c.status for c in conversations)
+    counts = environment_counts(conversations) | {f"env_stop/{status}": n for status, n in sorted(statuses.items())}
+    return columns, counts
+
+
 # A tool turn as `ToolTurnFormat` writes it (plain or ChatML), to split a response's text into its turns for reading
 _TOOL_TURN = re.compile(
     r"(?:<\|im_end\|>\n<\|im_start\|>user)?(?:\n<tool_response>\n.*?\n</tool_response>)+"
@@ -122,6 +156,8 @@ def conversation_lines(text: str, calls_json: str | None, *, status: str | None)
     output or error the policy read, marked ``[tool]``. Split from the stored text by the tool turns' form: a policy
     that writes a <tool_response> itself can shift the split, which only this display would show."""
     calls = json.loads(calls_json) if calls_json else []
+    if is_episode(calls):  # played against generate.environment: its steps, not tool calls
+        return episode_lines(text, calls, status=status)
     policy_turns = _TOOL_TURN.split(text)
     lines = []
     for turn, policy_text in enumerate(policy_turns):

@@ -30,7 +30,6 @@ import inspect
 import json
 import math
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -263,36 +262,20 @@ def environment_stats(counts: dict[str, float]) -> dict[str, float]:
     } | by_status
 
 
-def generate_episodes(
-    engine: Any,
-    prompt_token_ids: list[list[int]],
-    seeds: list[list[int]],
-    rows: list[dict[str, Any]],
-    *,
-    sampling: Any,
-    environment: dict[str, Any],
-    settings: LoopSettings,
-    tokenizer: Any,
-) -> tuple[dict[str, list[Any]], dict[str, float]]:
-    """A shard's rollouts played against generate.environment ({call, params}): the response columns grouped per
-    prompt (the tool loop's, with the steps in tool_calls, and environment_rewards) and generate's counts."""
-    from batchrl.agents.columns import conversation_columns, regroup
+def is_episode(calls: list[dict[str, Any]]) -> bool:
+    """Whether a sample's tool_calls records are an environment's (its reset, turn -1, comes first)."""
+    return bool(calls) and calls[0].get("name") == "reset" and calls[0].get("turn") == -1
 
-    cls, params = load_environment(environment["call"]), dict(environment.get("params") or {})
-    conversations = run_episodes(
-        engine,
-        [prompt for prompt, group in zip(prompt_token_ids, seeds, strict=True) for _ in group],
-        [seed for group in seeds for seed in group],
-        rows,
-        sampling=sampling,
-        make_env=lambda: cls(**params),
-        settings=settings,
-        tokenizer=tokenizer,
-        turn_format=ToolTurnFormat.for_chat_template(getattr(tokenizer, "chat_template", None)),
-    )
-    groups = regroup(conversations, seeds)
-    columns = conversation_columns(groups)
-    columns["environment_rewards"] = [[c.environment_reward for c in group] for group in groups]
-    statuses = Counter(c.status for c in conversations)
-    counts = environment_counts(conversations) | {f"env_stop/{status}": n for status, n in sorted(statuses.items())}
-    return columns, counts
+
+def episode_lines(text: str, calls: list[dict[str, Any]], *, status: str | None) -> list[str]:
+    """A sample played against an environment, for reading (`batchrl inspect`): its text (the policy's turns and
+    the observations, in order), then reset and each step with the observation, reward and done, marked [env]."""
+    lines = [f"  [text] {text!r}"]
+    for call in calls:
+        if call.get("error"):
+            answer = f"ERROR {call['error']}: {call.get('detail', '')}"
+        else:
+            reward = "" if call.get("reward") is None else f", reward {call['reward']:g}"
+            answer = f"{call.get('output')!r}{reward}" + (", done" if call.get("done") else "")
+        lines.append(f"  [env] {call['name']} (turn {call['turn']}) -> {answer}")
+    return [*lines, f"  [end] {status}"]

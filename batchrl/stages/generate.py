@@ -159,8 +159,8 @@ class GenerateWorker(ShardWorker):
         batched per turn."""
         from transformers import AutoTokenizer
 
-        from batchrl.agents.columns import generate_conversations
-        from batchrl.agents.environment import ENVIRONMENT_ROW_COLUMNS, environment_rows, generate_episodes
+        from batchrl.agents.columns import generate_conversations, generate_episodes
+        from batchrl.agents.environment import ENVIRONMENT_ROW_COLUMNS, environment_rows
         from batchrl.agents.loop import LoopSettings
         from batchrl.agents.tools import load_tools
 

@@ -5,11 +5,14 @@ loop: every turn is prompted with the ids so far."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from custom_environments import BadReset, Countdown, Endless, FailsOnOddSamples
 from test_agent_loop import Recording
 
 from batchrl.agents.calls import ToolTurnFormat
+from batchrl.agents.columns import conversation_lines
 from batchrl.agents.environment import Step, as_step, run_episodes
 from batchrl.agents.loop import LoopSettings, turn_seed
 from batchrl.engines import SamplingSpec, make_engine
@@ -126,3 +129,12 @@ def test_a_step_answers_a_step_or_a_triple_of_observation_reward_done():
     for bad, says in [(None, "not a Step"), (("x", "1", False), "reward is a str"), ((3, 1.0, True), "observation")]:
         with pytest.raises(ValueError, match=says):
             as_step(bad)
+
+
+def test_inspect_shows_an_episodes_reset_and_steps_with_their_rewards(engine, tokenizer, prompts):
+    (first, *_), _ = play(engine, tokenizer, prompts, Countdown)
+    lines = conversation_lines(first.text, json.dumps(first.calls), status=first.status)
+    assert lines[1] == f"  [env] reset (turn -1) -> {Countdown().reset(rows()[0])!r}"
+    assert lines[2] == "  [env] step (turn 0) -> '1 left'"
+    assert lines[3] == f"  [env] step (turn 1) -> None, reward {first.environment_reward:g}, done"
+    assert lines[-1] == "  [end] completed"
