@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -60,7 +61,7 @@ def as_step(value: Any) -> Step:
     if step.observation is not None and not isinstance(step.observation, str):
         raise ValueError(f"step's observation is {type_phrase(step.observation)}, not a str or None")
     reward = step.reward
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):  # numpy's too
         raise ValueError(f"step's reward is {type_phrase(reward)}, not a number or None")
     if reward is not None and not math.isfinite(reward):
         raise ValueError(f"step's reward is {reward}, not a finite number")

@@ -197,6 +197,11 @@ class GenerateConfig(ActorResources):
                 "generate.environment and generate.tools are both set: an environment owns its conversations (its "
                 "step can parse and answer tool calls itself); set one of them"
             )
+        if not self.tools and self.tools_in_prompt != "auto":  # no tools: no schemas to put in the prompts
+            raise ValueError(
+                "generate.tools_in_prompt is set but generate.tools is empty: it applies to the tools' schemas only; "
+                "list the tools, or remove it"
+            )
         if not self.tools and self.environment is None:  # a loop setting without a loop would silently do nothing
             names = (
                 "max_turns",
@@ -204,7 +209,6 @@ class GenerateConfig(ActorResources):
                 "tool_timeout_s",
                 "max_parallel_tool_calls",
                 "stop_on_tool_error",
-                "tools_in_prompt",
             )
             changed = [n for n in names if getattr(self, n) != type(self).model_fields[n].default]
             if changed:

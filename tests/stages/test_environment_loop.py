@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from custom_environments import BadReset, Countdown, Endless, FailsOnOddSamples
 from test_agent_loop import Recording
@@ -126,6 +127,7 @@ def test_a_reset_that_breaks_the_contract_ends_the_sample_before_any_turn(engine
 def test_a_step_answers_a_step_or_a_triple_of_observation_reward_done():
     assert as_step(("more", 1, False)) == Step("more", 1.0, False)
     assert as_step(Step(None, None, True)) == Step(None, None, True)
+    assert as_step(("x", np.int64(2), np.bool_(True))) == Step("x", 2.0, True)  # numpy's numbers are numbers
     for bad, says in [(None, "not a Step"), (("x", "1", False), "reward is a str"), ((3, 1.0, True), "observation")]:
         with pytest.raises(ValueError, match=says):
             as_step(bad)
