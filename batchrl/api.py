@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages, in run order)
-from batchrl.agents.environment import check_environment
-from batchrl.agents.tools import check_tools
 from batchrl.config import ConfigError, PipelineConfig, load_pipeline, validate_dict
 from batchrl.config.loader import apply_override
 from batchrl.pipeline.plan import PlannedStage, build_plan, check_from_stage
 from batchrl.pipeline.runner import Runner
 from batchrl.pipeline.summary import RunSummary
-from batchrl.stages.user import INSERTION_POINTS, check_stage_calls, register_function
+from batchrl.stages.code_checks import check_code_references
+from batchrl.stages.user import INSERTION_POINTS, register_function
 
 __all__ = [
     "Pipeline",
@@ -79,13 +78,11 @@ def configure_logging(*, verbose: bool = False) -> None:
 
 
 class Pipeline:
-    """A validated pipeline config, its user stages' calls checked against their functions' signatures (their modules
-    imported). Every change returns a new, re-validated Pipeline; nothing runs until run()."""
+    """A validated pipeline config, the code it names (user stages, tools, environment, rewards) checked against the
+    functions' signatures (their modules imported). Every change returns a new, re-validated Pipeline; nothing runs until run()."""
 
     def __init__(self, config: PipelineConfig):
-        check_stage_calls(config)  # its user stages' calls and params, as `batchrl validate` checks them
-        check_tools(config.generate.tools)  # each tool imports and has a JSON schema, as `batchrl validate` checks
-        check_environment(config.generate.environment)  # the class imports and has reset and step
+        check_code_references(config)  # user stages, tools, environment, rewards, as `batchrl validate` checks them
         self.config = config
 
     @classmethod

@@ -71,18 +71,10 @@ def _load(pipeline: Path, overrides: list[str], run_id: str | None) -> PipelineC
     """The pipeline validate, plan and run work on; exit 2 on a config error, before any work."""
     try:
         cfg = load_pipeline(pipeline, overrides=overrides, run_id=run_id)
-        if cfg.stages:  # their calls and params against the functions' signatures (imports their modules)
-            from batchrl.stages.user import check_stage_calls
+        # user stages, tools, an environment, rewards: imported and checked against their functions
+        from batchrl.stages.code_checks import check_code_references
 
-            check_stage_calls(cfg, source=str(pipeline))
-        if cfg.generate.tools:  # each tool imports and has a schema (imports the references' modules)
-            from batchrl.agents.tools import check_tools
-
-            check_tools(cfg.generate.tools, source=str(pipeline))
-        if cfg.generate.environment is not None:  # the class imports and has reset and step
-            from batchrl.agents.environment import check_environment
-
-            check_environment(cfg.generate.environment, source=str(pipeline))
+        check_code_references(cfg, source=str(pipeline))
         return cfg
     except ConfigError as err:
         typer.echo(f"config error: {err}", err=True)

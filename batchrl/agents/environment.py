@@ -194,10 +194,12 @@ def _play_turn(
         return
     if step.reward is not None:
         c.environment_reward = step.reward
-    if cut or len(c.token_ids) >= settings.max_response_tokens:
+    if cut:
         c.status = "length"
     elif step.done or step.observation is None:
         c.status = "completed"
+    elif len(c.token_ids) >= settings.max_response_tokens:  # no room for the observation
+        c.status = "length"
     elif turn == settings.max_turns - 1:
         c.status = "max_turns"
     else:

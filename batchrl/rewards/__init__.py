@@ -16,7 +16,8 @@ tokens) and finish_reason ("stop" or "length"); with a judge: section also judge
 where it failed) and judge_error (why it failed), read by the ``judge`` term (batchrl.rewards.judge); with
 generate.environment also environment_reward, read by the ``environment`` term. A term's
 ``params`` (config) are passed as further keyword arguments; each must be a named parameter of the function and must
-not reuse a row field's name.
+not reuse a row field's name. A reward may carry a ``check_params(params)`` attribute raising ValueError for a bad
+value, so that a wrong value is a config error when the job starts, not a failure on every sample (code_tests has one).
 """
 
 from __future__ import annotations
@@ -204,6 +205,12 @@ def check_reward_params(reward_fn: RewardFn, params: Mapping[str, Any], *, name:
     )
     if missing:
         raise ValueError(f"reward {name!r} needs params {missing}; set them in the term's `params:`")
+    check_values = getattr(reward_fn, "check_params", None)  # the reward's own rules for its params' values
+    if callable(check_values):
+        try:
+            check_values(dict(params))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"reward {name!r}: {err}") from None
 
 
 def _check_reward_signature(candidate: Any, *, name_or_ref: str) -> None:

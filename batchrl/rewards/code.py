@@ -112,6 +112,26 @@ def code_tests(
     return RewardWithDetail(value, f"{passed}/{len(tests)} tests passed; {shown}{more}"[:MAX_DETAIL_CHARS])
 
 
+POSITIVE_PARAMS = ("timeout_s", "wall_timeout_s", "memory_mb", "max_output_bytes", "max_parallel", "budget_s")
+CHOICES = {"mode": ("fraction", "all"), "isolation": ("auto", "required", "off")}
+
+
+def check_code_params(params: Mapping[str, Any]) -> None:
+    """ValueError naming the param whose value code_tests cannot use; read when the job starts (check_reward_params)."""
+    for key, allowed in CHOICES.items():
+        if key in params and params[key] not in allowed:
+            raise ValueError(f"params.{key}={params[key]!r} must be one of {list(allowed)}")
+    for key in POSITIVE_PARAMS:
+        value = params.get(key)
+        if key == "wall_timeout_s" and value is None:
+            continue  # the default: 3 x timeout_s
+        if key in params and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+            raise ValueError(f"params.{key}={value!r} must be a positive number")
+
+
+code_tests.check_params = check_code_params  # type: ignore[attr-defined]
+
+
 def extract_program(response: str) -> str:
     """The last fenced python block, else the last fenced block, else the whole response."""
     blocks = _FENCE.findall(response)

@@ -478,10 +478,9 @@ class ScoreStage(Stage):
         )
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
-        """Before anything is written: every reward named in the config resolves, with valid params."""
-        _as_config_error(lambda: self._rule_reward_set(cfg))
-        for reward in cfg.score.reward_by_data_source.values():
-            _as_config_error(lambda reward=reward: resolve_reward(reward))
+        """Before anything is written: every reward named in the config resolves, with valid params, and the reward
+        model can be found."""
+        check_reward_terms(cfg)
         rm = cfg.score.reward_model
         for path in [rm.path, rm.tokenizer] if rm is not None else []:
             if path is not None:
@@ -528,11 +527,20 @@ def reward_model_actor_need(cfg: PipelineConfig) -> ActorNeed:
     return ActorNeed.of(cfg.score.reward_model, field="score.reward_model")
 
 
-def _as_config_error(check: Callable[[], Any]) -> Any:
+def check_reward_terms(cfg: PipelineConfig, *, source: str | None = None) -> None:
+    """ConfigError unless every reward the score section names resolves and its params bind and hold valid values
+    (a reward's ``check_params``); imports custom rewards' modules. Also where a pipeline loads (code_checks)."""
+    where = f"{source}: " if source else ""
+    _as_config_error(lambda: ScoreStage._rule_reward_set(cfg), where=where)
+    for reward in cfg.score.reward_by_data_source.values():
+        _as_config_error(lambda reward=reward: resolve_reward(reward), where=where)
+
+
+def _as_config_error(check: Callable[[], Any], *, where: str = "") -> Any:
     try:
         return check()
     except ValueError as err:
-        raise ConfigError(f"score: {err}") from None
+        raise ConfigError(f"{where}score: {err}") from None
 
 
 def _check_reward_model_path(path: str) -> None:

@@ -140,3 +140,14 @@ def test_inspect_shows_an_episodes_reset_and_steps_with_their_rewards(engine, to
     assert lines[2] == "  [env] step (turn 0) -> '1 left'"
     assert lines[3] == f"  [env] step (turn 1) -> None, reward {first.environment_reward:g}, done"
     assert lines[-1] == "  [end] completed"
+
+
+def test_a_turn_cut_at_the_budget_is_still_stepped_and_its_reward_kept(engine, tokenizer, prompts):
+    opening = len(observation_ids(tokenizer, Countdown().reset(rows()[0])))
+    budget = opening + 3  # room for 3 of the turn's 6 tokens
+    conversations, _ = play(engine, tokenizer, prompts, lambda: Countdown(reward_each_turn=0.25), budget=budget)
+    cut = [c for c in conversations if len(c.token_ids) == budget]
+    assert cut, "no turn reached the budget: the test would prove nothing"
+    for c in cut:
+        assert c.status == "length" and c.finish_reason == "length" and c.turns == 1
+        assert c.environment_reward == 0.25 and c.calls[-1]["name"] == "step"

@@ -166,3 +166,24 @@ def test_verl_parquet_rows_reach_the_reward_with_their_tests(tmp_path, as_json_t
     row = normalized_row(raw, uri=str(path), stem="code", row=0)
     assert row["ground_truth_problem"] is None
     assert score(RIGHT, row["ground_truth"]) == 1.0 and score(WRONG, row["ground_truth"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"mode": "most"}, "params.mode"),
+        ({"timeout_s": 0}, "params.timeout_s"),
+        ({"max_parallel": "4"}, "params.max_parallel"),
+        ({"isolation": "none"}, "params.isolation"),
+    ],
+)
+def test_a_bad_param_value_is_refused_when_the_reward_set_is_built_not_on_every_sample(params, named):
+    from batchrl.rewards.combine import RewardSet, TermSpec
+
+    with pytest.raises(ValueError, match=rf"reward 'code_tests': {named}="):
+        RewardSet(terms=[TermSpec("code_tests", 1.0, params=params)], by_data_source={}, failure_reward=0.0)
+    RewardSet(
+        terms=[TermSpec("code_tests", 1.0, params={"mode": "all", "timeout_s": 0.5})],
+        by_data_source={},
+        failure_reward=0.0,
+    )
