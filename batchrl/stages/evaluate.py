@@ -84,7 +84,7 @@ class EvaluateStage(Stage):
         return evaluated_iterations(cfg)
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        from batchrl.stages.generate import loop_settings
+        from batchrl.stages.generate import agent_code, loop_settings
 
         e = cfg.evaluate
         code = reward_code(cfg.score)  # editing a custom reward's module re-evaluates
@@ -106,6 +106,7 @@ class EvaluateStage(Stage):
             # with tools or an environment the held-out samples are conversations too (absent without: as they were)
             | ({"tools": loop_settings(cfg.generate)} if loop_settings(cfg.generate) else {})
             | tool_schema_fingerprint(cfg)  # as the held-out prompts' (heldout_fingerprint_config)
+            | agent_code(cfg)  # editing a user tool or the environment re-evaluates, as it regenerates
         )
 
     def check_inputs(self, cfg: PipelineConfig) -> None:

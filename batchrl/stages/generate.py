@@ -347,10 +347,6 @@ class GenerateStage(Stage):
         # batch_rows: batches take rows shuffled inside each part (batches.row_order), not contiguous slices as
         # before; the key redoes the iterations of a batched run made before, whose batches held other prompts
         batches = {"prompts_per_iteration": cfg.data.prompts_per_iteration, "batch_rows": "row_order"}
-        # tools: the source of each user tool's module, so that editing a tool regenerates (as custom rewards rescore)
-        tools = {"tool_sources": tool_digests(cfg.generate.tools)} if cfg.generate.tools else {}
-        if cfg.generate.environment is not None:  # editing the environment's module regenerates as well
-            tools = {"environment_source": source_digest(cfg.generate.environment.call)}
         return (
             {
                 "generate": fingerprint_dump(cfg.generate, exclude_defaults=True),
@@ -358,7 +354,7 @@ class GenerateStage(Stage):
                 "dtype": cfg.model.dtype,
             }
             | (batches if cfg.data.prompts_per_iteration else {})
-            | tools
+            | agent_code(cfg)
         )
 
     def iteration_count(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> int | None:
@@ -442,6 +438,15 @@ class GenerateStage(Stage):
             counts={k: int(v) for k, v in counts.items() if not k.endswith("_s")},
             stats=_stats(counts, timings) | batch_stats(batch),
         )
+
+
+def agent_code(cfg: PipelineConfig) -> dict[str, Any]:
+    """The source digests of the user tools' modules or of the environment's (empty without either): in the
+    fingerprints of the stages that run the agent loop (generate, evaluate), so that editing a tool or the
+    environment redoes them, as editing a custom reward rescores."""
+    if cfg.generate.environment is not None:
+        return {"environment_source": source_digest(cfg.generate.environment.call)}
+    return {"tool_sources": tool_digests(cfg.generate.tools)} if cfg.generate.tools else {}
 
 
 def prompt_batch(cfg: PipelineConfig, iteration: int | None, prompts: Manifest) -> Batch:

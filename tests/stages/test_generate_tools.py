@@ -11,6 +11,7 @@ import pytest
 from test_generate import config, generate, ingest
 
 from batchrl.config import validate_dict
+from batchrl.stages.evaluate import EvaluateStage
 from batchrl.stages.generate import GenerateStage
 
 
@@ -78,7 +79,7 @@ def test_a_run_without_tools_writes_the_multi_turn_columns_as_null_and_no_tool_m
     assert "turns" not in output.counts
 
 
-def test_the_fingerprint_holds_the_user_tools_sources_and_is_unchanged_without_tools(
+def test_generate_and_evaluate_fingerprints_hold_the_user_tools_sources_and_are_unchanged_without_tools(
     tmp_path, toy_model_dir, toy_prompts_dir
 ):
     plain = config(tmp_path, toy_model_dir, toy_prompts_dir, "hf")
@@ -86,6 +87,9 @@ def test_the_fingerprint_holds_the_user_tools_sources_and_is_unchanged_without_t
     cfg = tools_config(tmp_path, toy_model_dir, toy_prompts_dir, tools=["calculator", "test_agent_loop:count"])
     sources = GenerateStage().fingerprint_config(cfg)["tool_sources"]
     assert list(sources) == ["test_agent_loop:count"] and len(sources["test_agent_loop:count"]) == 16
+    # the held-out samples run the same tools: editing one re-evaluates as it regenerates
+    assert EvaluateStage().fingerprint_config(cfg)["tool_sources"] == sources
+    assert "tool_sources" not in EvaluateStage().fingerprint_config(plain)
 
 
 def test_inspect_shows_a_multi_turn_sample_turn_by_turn_with_the_tool_outputs_marked(runs, tmp_path):
