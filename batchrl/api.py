@@ -79,7 +79,8 @@ def configure_logging(*, verbose: bool = False) -> None:
 
 class Pipeline:
     """A validated pipeline config, the code it names (user stages, tools, environment, rewards) checked against the
-    functions' signatures (their modules imported). Every change returns a new, re-validated Pipeline; nothing runs until run()."""
+    functions' signatures (their modules imported). Every change returns a new, re-validated Pipeline; nothing runs
+    until run()."""
 
     def __init__(self, config: PipelineConfig):
         check_code_references(config)  # user stages, tools, environment, rewards, as `batchrl validate` checks them
