@@ -19,9 +19,16 @@ observations rendered as the template's tool turn (`ToolTurnFormat.render_observ
 appended with mask 0, never re-tokenised. Generation stops at EOS or generate.stop only (no call tag). Every
 policy turn is stepped, the last one too (at max_turns or cut at the budget), so the environment can reward it;
 its observation is then not appended. Status: completed (done, or no observation), length, max_turns, aborted,
-or env_error: reset or step raised or returned something else than the contract says, a counted error of that
-sample (its reward null), never a failed stage. Steps run in the shard's process one after the other: an
-environment that waits on something slow belongs behind generate.shard_timeout_s, as a hung engine does.
+or env_error: reset or step raised, returned something else than the contract says, or ran past
+generate.tool_timeout_s (error "timeout"), a counted error of that sample (its reward null), never a failed stage.
+
+The samples' resets (each class built in its reset's thread), then each turn's steps, run in parallel threads, at
+most generate.max_parallel_tool_calls at once, each with generate.tool_timeout_s as its deadline, as tools' calls
+do (`batchrl.agents.loop.run_with_timeouts`): a slow environment costs a turn its slowest call, not the sum of
+them, and a hung one ends its own sample instead of hanging the shard until generate.shard_timeout_s. A call past
+its deadline is left running in its daemon thread (Python cannot kill a thread); its instance is never called
+again. Each sample has its own instance, so the results do not depend on the threads' order; what instances share
+(module state, the global ``random``) must be thread-safe, or not shared.
 """
 
 from __future__ import annotations
@@ -30,13 +37,13 @@ import inspect
 import json
 import math
 import numbers
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from batchrl.agents.calls import ToolTurnFormat
-from batchrl.agents.loop import CHARS_PER_TOKEN, Conversation, LoopSettings, allowance, turn_seed
+from batchrl.agents.loop import CHARS_PER_TOKEN, Conversation, LoopSettings, allowance, run_with_timeouts, turn_seed
 from batchrl.errors import ConfigError, type_phrase
 from batchrl.references import import_reference
 
@@ -139,8 +146,8 @@ def run_episodes(
 ) -> list[Conversation]:
     """One conversation per (prompt, seed, row), played against its own ``make_env()`` (module docstring)."""
     episodes = [_Episode(Conversation(list(p), s), None) for p, s in zip(prompt_token_ids, seeds, strict=True)]
-    for episode, row in zip(episodes, rows, strict=True):
-        observation = _call(episode, "reset", _reset, make_env, row, episode, turn=-1)
+    resets = [partial(_reset, make_env, row, episode) for episode, row in zip(episodes, rows, strict=True)]
+    for episode, observation in zip(episodes, _run(episodes, "reset", resets, settings, turn=-1), strict=True):
         if episode.conversation.status is None and observation is not None:
             _observe(episode.conversation, observation, settings, tokenizer, turn_format)
     for turn in range(settings.max_turns):
@@ -161,8 +168,27 @@ def run_episodes(
             seeds=[[turn_seed(e.conversation.seed, turn)] for e in live],
             sampling=replace(sampling, max_new_tokens=max(allowances)),
         )
-        for episode, (record,), cap in zip(live, groups, allowances, strict=True):
-            _play_turn(episode, record, cap, turn=turn, settings=settings, tokenizer=tokenizer, turn_format=turn_format)
+        actions = [
+            _take_turn(e.conversation, record, cap, tokenizer)
+            for e, (record,), cap in zip(live, groups, allowances, strict=True)
+        ]
+        steps = _run(
+            live,
+            "step",
+            [partial(_step, e.env, text) for e, (text, _) in zip(live, actions, strict=True)],
+            settings,
+            turn=turn,
+        )
+        for episode, (_, cut), step in zip(live, actions, steps, strict=True):
+            _answer(
+                episode.conversation,
+                step,
+                cut,
+                turn=turn,
+                settings=settings,
+                tokenizer=tokenizer,
+                turn_format=turn_format,
+            )
     return [e.conversation for e in episodes]
 
 
@@ -178,18 +204,27 @@ def _step(env: Any, action: str) -> Step:
     return as_step(env.step(action))
 
 
-def _play_turn(
-    episode: _Episode, record: Any, cap: int, *, turn: int, settings: LoopSettings, tokenizer: Any, turn_format: Any
-) -> None:
-    """Appends the policy's turn (cut to ``cap`` tokens), steps the environment with its text, and appends the
-    observation or ends the sample."""
-    c = episode.conversation
+def _take_turn(c: Conversation, record: Any, cap: int, tokenizer: Any) -> tuple[str, bool]:
+    """Appends the policy's turn (cut to ``cap`` tokens); (its text, whether it was cut)."""
     c.turns += 1
     cut = len(record.token_ids) > cap
     text = tokenizer.decode(record.token_ids[:cap], skip_special_tokens=True) if cut else record.text
     c.finish_reason = "length" if cut else record.finish_reason
     c.append(record.token_ids[:cap], record.logprobs[:cap], policy=True, text=text)
-    step = _call(episode, "step", _step, episode.env, text, turn=turn)
+    return text, cut
+
+
+def _answer(
+    c: Conversation,
+    step: Step | None,
+    cut: bool,
+    *,
+    turn: int,
+    settings: LoopSettings,
+    tokenizer: Any,
+    turn_format: Any,
+) -> None:
+    """Keeps a turn's step's reward, and appends its observation or ends the sample."""
     if c.status is not None:  # the step failed
         return
     if step.reward is not None:
@@ -206,22 +241,29 @@ def _play_turn(
         _observe(c, step.observation, settings, tokenizer, turn_format)
 
 
-def _call(episode: _Episode, name: str, function: Callable[..., Any], *args: Any, turn: int) -> Any:
-    """Runs reset or step, recording it in the conversation's calls ({name, output, reward, done, error, detail,
-    seconds, turn}); a failure ends the sample with status env_error and no reward."""
-    c, started = episode.conversation, time.monotonic()
-    record: dict[str, Any] = {"name": name, "arguments": {}, "output": None, "error": None, "detail": "", "turn": turn}
-    try:
-        result = function(*args)
-    except Exception as error:  # the environment's failure is the sample's, never the stage's
-        record |= {"error": "exception", "detail": f"{type(error).__name__}: {error}"}
-        c.status, c.environment_reward, result = "env_error", None, None
-    if isinstance(result, Step):
-        record |= {"output": result.observation, "reward": result.reward, "done": result.done}
-    elif name == "reset":
-        record["output"] = result
-    c.calls.append(record | {"seconds": round(time.monotonic() - started, 6)})
-    return result
+def _run(
+    episodes: list[_Episode], name: str, jobs: list[Callable[[], Any]], settings: LoopSettings, *, turn: int
+) -> list[Any]:
+    """Runs a turn's reset or step calls in parallel threads, as tools' calls (`run_with_timeouts`), recording each
+    in its conversation's calls ({name, output, reward, done, error, detail, seconds, turn}); a call that raised,
+    broke the contract or ran past generate.tool_timeout_s ends its sample with status env_error and no reward.
+    The results in order (None for a failed call)."""
+    outcomes = run_with_timeouts(jobs, timeout_s=settings.tool_timeout_s, parallel=settings.max_parallel_tool_calls)
+    results = []
+    for episode, outcome in zip(episodes, outcomes, strict=True):
+        c, result = episode.conversation, outcome.get("value")
+        record: dict[str, Any] = {"name": name, "arguments": {}, "output": None, "error": None, "detail": ""}
+        record["turn"] = turn
+        if outcome["error"] is not None:  # the environment's failure is the sample's, never the stage's
+            record |= {"error": outcome["error"], "detail": outcome["detail"]}
+            c.status, c.environment_reward = "env_error", None
+        elif isinstance(result, Step):
+            record |= {"output": result.observation, "reward": result.reward, "done": result.done}
+        else:
+            record["output"] = result
+        c.calls.append(record | {"seconds": outcome["seconds"]})
+        results.append(result)
+    return results
 
 
 def _observe(c: Conversation, observation: str, settings: LoopSettings, tokenizer: Any, turn_format: Any) -> None:

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from batchrl.agents.calls import CALL_STOP, ParsedCall, ToolTurnFormat, parse_calls
@@ -195,16 +196,34 @@ def run_calls(calls: list[ParsedCall], *, tools: dict[str, Tool], timeout_s: flo
     no_name, bad_arguments, unknown_tool) or a failure's (exception, timeout)."""
     records = [_check_call(call, tools) for call in calls]
     runnable = [i for i, record in enumerate(records) if record["error"] is None]
-    for start in range(0, len(runnable), parallel):
-        chunk = runnable[start : start + parallel]
-        threads = {i: _CallThread(tools[calls[i].name].function, calls[i].arguments) for i in chunk}
-        deadline = time.monotonic() + timeout_s
-        for thread in threads.values():
-            thread.start()
-        for i, thread in threads.items():
-            thread.join(max(0.0, deadline - time.monotonic()))
-            records[i] |= thread.outcome(timeout_s)
+    jobs = [partial(_call_text, tools[calls[i].name].function, calls[i].arguments) for i in runnable]
+    for i, outcome in zip(runnable, run_with_timeouts(jobs, timeout_s=timeout_s, parallel=parallel), strict=True):
+        value = outcome.pop("value", None)
+        records[i] |= outcome | ({"output": value} if outcome["error"] is None else {})
     return records
+
+
+def _call_text(function: Callable[..., Any], arguments: dict[str, Any]) -> str:
+    """A tool's answer as the text the policy reads (JSON for anything but a str)."""
+    output = function(**arguments)
+    return output if isinstance(output, str) else json.dumps(output, default=str)
+
+
+def run_with_timeouts(jobs: list[Callable[[], Any]], *, timeout_s: float, parallel: int) -> list[dict[str, Any]]:
+    """Each job's outcome, in order: {value, error: None, seconds}, or {error: exception or timeout, detail,
+    seconds}. At most ``parallel`` run at once (in chunks, each with one deadline ``timeout_s`` away); a job past
+    it is left running in its daemon thread, as Python cannot kill a thread. Tools' calls and environments' reset
+    and step calls (batchrl.agents.environment) both run here."""
+    outcomes: list[dict[str, Any]] = []
+    for start in range(0, len(jobs), parallel):
+        threads = [_CallThread(job) for job in jobs[start : start + parallel]]
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            outcomes.append(thread.outcome(timeout_s))
+    return outcomes
 
 
 def _check_call(call: ParsedCall, tools: dict[str, Tool]) -> dict[str, Any]:
@@ -222,21 +241,19 @@ def _check_call(call: ParsedCall, tools: dict[str, Tool]) -> dict[str, Any]:
 
 
 class _CallThread(threading.Thread):
-    """One tool call; a daemon, so that a call that never returns keeps no process alive."""
+    """One call; a daemon, so that a call that never returns keeps no process alive."""
 
-    def __init__(self, function: Callable[..., Any], arguments: dict[str, Any]):
+    def __init__(self, job: Callable[[], Any]):
         super().__init__(daemon=True)
-        self.function, self.arguments = function, arguments
+        self.job = job
         self.result: dict[str, Any] | None = None
         self.started = time.monotonic()
 
     def run(self) -> None:
         self.started = time.monotonic()
         try:
-            output = self.function(**self.arguments)
-            text = output if isinstance(output, str) else json.dumps(output, default=str)
-            self.result = {"output": text, "error": None}
-        except Exception as error:  # a tool's failure is the policy's to read, never the stage's
+            self.result = {"value": self.job(), "error": None}
+        except Exception as error:  # a tool's or an environment's failure is the sample's, never the stage's
             self.result = {"error": "exception", "detail": f"{type(error).__name__}: {error}"}
         self.result["seconds"] = round(time.monotonic() - self.started, 6)
 

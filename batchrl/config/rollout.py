@@ -133,10 +133,16 @@ class GenerateConfig(ActorResources):
         "each turn generates at most min(max_new_tokens, what is left). null: max_new_tokens.",
     )
     tool_timeout_s: float = Field(
-        10.0, gt=0, description="With tools: a call running longer is answered with a timeout error."
+        10.0,
+        gt=0,
+        description="With tools: a call running longer is answered with a timeout error. With an environment: a "
+        "reset or step running longer ends its sample (status env_error, error timeout).",
     )
     max_parallel_tool_calls: int = Field(
-        8, ge=1, description="With tools: calls of one turn of a shard run in this many threads."
+        8,
+        ge=1,
+        description="With tools: calls of one turn of a shard run in this many threads. With an environment: the "
+        "resets, then each turn's steps, of a shard's samples.",
     )
     stop_on_tool_error: bool = Field(
         False,

@@ -4,6 +4,7 @@ PYTHONPATH)."""
 from __future__ import annotations
 
 import random
+import time
 
 from batchrl.agents.environment import Step
 
@@ -58,3 +59,34 @@ class BadReset(Countdown):
 
 def not_a_class(row):
     return None
+
+
+class Slow(Countdown):
+    """Each step sleeps ``seconds`` first (time.sleep releases the GIL, as waiting on a server would) and notes
+    when it ran in ``Slow.spans`` as (turn, start, end)."""
+
+    spans: list[tuple[int, float, float]] = []  # list.append is atomic: the threads share it safely
+
+    def __init__(self, seconds: float = 0.5, **params):
+        super().__init__(**params)
+        self.seconds, self.turn = seconds, 0
+
+    def step(self, action: str):
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        Slow.spans.append((self.turn, start, time.monotonic()))
+        self.turn += 1
+        return super().step(action)
+
+
+class HangsOnSampleOne(Countdown):
+    """Sample 1's first step never returns in time (it sleeps 10 s); the other samples play on."""
+
+    def reset(self, row):
+        self.hangs = row["sample_idx"] == 1
+        return super().reset(row)
+
+    def step(self, action: str):
+        if self.hangs:
+            time.sleep(10)
+        return super().step(action)

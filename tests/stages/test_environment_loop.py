@@ -6,17 +6,20 @@ loop: every turn is prompted with the ids so far."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
-from custom_environments import BadReset, Countdown, Endless, FailsOnOddSamples
+from custom_environments import BadReset, Countdown, Endless, FailsOnOddSamples, HangsOnSampleOne, Slow
 from test_agent_loop import Recording
 
 from batchrl.agents.calls import ToolTurnFormat
 from batchrl.agents.columns import conversation_lines
 from batchrl.agents.environment import Step, as_step, run_episodes
 from batchrl.agents.loop import LoopSettings, turn_seed
+from batchrl.config.rollout import GenerateConfig
 from batchrl.engines import SamplingSpec, make_engine
+from batchrl.stages.generate import loop_settings
 
 SEEDS = [21, 22, 23, 24]
 SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=6)
@@ -48,7 +51,7 @@ def rows():
     return [{"prompt_id": f"p{k}", "sample_idx": k, "sample_seed": seed} for k, seed in enumerate(SEEDS)]
 
 
-def play(engine, tokenizer, prompts, make_env, *, max_turns=3, budget=200):
+def play(engine, tokenizer, prompts, make_env, *, max_turns=3, budget=200, **limits):
     recording = Recording(engine)
     conversations = run_episodes(
         recording,
@@ -57,7 +60,7 @@ def play(engine, tokenizer, prompts, make_env, *, max_turns=3, budget=200):
         rows(),
         sampling=SAMPLING,
         make_env=make_env,
-        settings=LoopSettings(max_turns=max_turns, max_response_tokens=budget),
+        settings=LoopSettings(max_turns=max_turns, max_response_tokens=budget, **limits),
         tokenizer=tokenizer,
         turn_format=PLAIN,
     )
@@ -151,3 +154,43 @@ def test_a_turn_cut_at_the_budget_is_still_stepped_and_its_reward_kept(engine, t
     for c in cut:
         assert c.status == "length" and c.finish_reason == "length" and c.turns == 1
         assert c.environment_reward == 0.25 and c.calls[-1]["name"] == "step"
+
+
+def test_a_step_past_tool_timeout_s_is_its_samples_env_error_timeout_and_the_others_complete(
+    engine, tokenizer, prompts
+):
+    started = time.monotonic()
+    conversations, calls = play(engine, tokenizer, prompts, HangsOnSampleOne, tool_timeout_s=1.0)
+    assert time.monotonic() - started < 9, "the loop waited for the hung step (10 s) instead of its 1 s deadline"
+    hung = conversations[1]
+    assert hung.status == "env_error" and hung.environment_reward is None and hung.turns == 1
+    assert hung.calls[-1]["error"] == "timeout" and hung.calls[-1]["seconds"] == 1.0
+    assert "ran past 1 s" in hung.calls[-1]["detail"]
+    others = [c for k, c in enumerate(conversations) if k != 1]
+    assert all(c.status == "completed" and c.turns == 2 and c.environment_reward is not None for c in others)
+    assert len(calls[1][0]) == len(SEEDS) - 1, "the second turn is generated for the live samples only"
+
+
+def test_the_steps_of_a_turn_run_at_once_and_give_the_episodes_of_steps_run_one_by_one(engine, tokenizer, prompts):
+    """Four samples, each step sleeping 0.5 s: one by one a turn's steps take 2 s, at once 0.5 s."""
+    Slow.spans.clear()
+    parallel, _ = play(engine, tokenizer, prompts, Slow, max_parallel_tool_calls=4)
+    for turn in (0, 1):
+        spans = [(start, end) for t, start, end in Slow.spans if t == turn]
+        assert len(spans) == len(SEEDS)
+        assert max(start for start, _ in spans) < min(end for _, end in spans), f"turn {turn}'s steps did not overlap"
+        assert max(end for _, end in spans) - min(start for start, _ in spans) < 1.5, "2 s one by one"
+    one_by_one, _ = play(engine, tokenizer, prompts, lambda: Slow(seconds=0.0), max_parallel_tool_calls=1)
+    assert [(c.token_ids, c.mask, c.environment_reward, c.status, c.text) for c in parallel] == [
+        (c.token_ids, c.mask, c.environment_reward, c.status, c.text) for c in one_by_one
+    ]
+
+
+def test_an_environments_timeout_and_threads_are_the_tools_settings_refused_without_either():
+    with_environment = GenerateConfig(
+        environment={"call": "custom_environments:Slow"}, tool_timeout_s=2.5, max_parallel_tool_calls=3
+    )
+    loop = loop_settings(with_environment)["loop"]
+    assert loop["tool_timeout_s"] == 2.5 and loop["max_parallel_tool_calls"] == 3
+    with pytest.raises(ValueError, match="generate.tool_timeout_s is set but generate.tools is empty"):
+        GenerateConfig(tool_timeout_s=2.5)
