@@ -17,11 +17,14 @@ mean@1 (greedy), mean@k, pass@k (reward >= ``evaluate.pass_threshold``) and maj@
 batchrl.algorithms.evaluation, whose docstring lists them and their departures from verl. For maj@k, answers
 are extracted as the data_source's reward reads them: ``#### n`` for gsm8k, the last ``\\boxed{}`` for math,
 else the stripped response. Sampled responses use the same seeds for every policy evaluated (common random
-numbers), so a change between two evaluations is the policy's, not the dice's.
+numbers), so a change between two evaluations is the policy's, not the dice's. With tools or an environment, the
+held-out samples' (greedy and sampled together) tool use is generate's tools/* or environment/* metrics under
+``val-aux/`` (`loop_stats`: val-aux/tools/use_rate, val-aux/tools/turns_mean, ...), from the shards' counts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +32,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from batchrl.agents.columns import tool_stats
+from batchrl.agents.environment import environment_stats
 from batchrl.algorithms.evaluation import evaluation_metrics, majority_vote
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import fingerprint_dump
-from batchrl.pipeline.shards import ShardRun, part_info, process_in_driver, run_sharded
+from batchrl.pipeline.shards import ShardRun, add_counts, part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code, reward_name_for
 from batchrl.stages.heldout import overlong_prompts, tool_schema_fingerprint
@@ -126,7 +131,7 @@ class EvaluateStage(Stage):
         if cfg.evaluate is None:
             raise AssertionError("the evaluate stage was planned for a config without an evaluate: section")
         prompts_dir, prompts = ctx.input_dirs["evaluation_prompts"], ctx.inputs["evaluation_prompts"]
-        rollouts = generate_eval_rollouts(ctx, prompts_dir, prompts)
+        rollouts, rollout_counts = generate_eval_rollouts(ctx, prompts_dir, prompts)
         scores_dir = join(ctx.output_dir, "_scores")
         score_parts = score_eval_rollouts(
             cfg, join(ctx.output_dir, "_rollouts"), rollouts, scores_dir, embedded_ray=ctx.embedded_ray
@@ -145,6 +150,7 @@ class EvaluateStage(Stage):
             tables.append(table)
         results = pa.concat_tables(tables)
         stats = evaluation_metrics_from_table(results, pass_threshold=cfg.evaluate.pass_threshold)
+        stats |= loop_stats(rollout_counts)
         logger.info("evaluated %s on %d held-out prompts: %s", ctx.policy_in, results.num_rows, headline(stats))
         extra = {"rollouts": rollouts.parts, "scores": score_parts}
         return StageOutput(
@@ -162,8 +168,11 @@ def max_new_tokens(cfg: PipelineConfig) -> int:
     return cfg.evaluate.max_new_tokens or cfg.generate.max_new_tokens
 
 
-def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifest) -> Manifest:
-    """Greedy and sampled rollouts of every prompt part, as ``_rollouts/{greedy,sampled}-part-*.parquet``."""
+def generate_eval_rollouts(
+    ctx: StageContext, prompts_dir: str, prompts: Manifest
+) -> tuple[Manifest, list[dict[str, float]]]:
+    """Greedy and sampled rollouts of every prompt part, as ``_rollouts/{greedy,sampled}-part-*.parquet``, and each
+    shard's counts (generate's: samples, and the loop's with tools or an environment)."""
     from batchrl.stages.generate import ShardSettings, engine_actors, generate_shards, loop_settings
 
     cfg, e = ctx.cfg, ctx.cfg.evaluate
@@ -174,7 +183,7 @@ def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifes
         "greedy": (1, {"temperature": 0.0, "top_p": 1.0}) if e.greedy else None,
         "sampled": (e.num_samples, {"temperature": e.temperature, "top_p": e.top_p}) if e.num_samples else None,
     }
-    parts = []
+    parts, counts = [], []
     for mode, setting in modes.items():
         if setting is None:
             continue
@@ -197,8 +206,9 @@ def generate_eval_rollouts(ctx: StageContext, prompts_dir: str, prompts: Manifes
         ]
         for row in generate_shards(actors, jobs, settings, timeout_s=cfg.generate.shard_timeout_s, progress_bars=False):
             parts.append(part_info(row))
+            counts.append(json.loads(row["counts_json"]))
     ctx.engines.end_stage(cfg.generate.engine_lifetime)
-    return _manifest(sorted(parts, key=lambda p: p.name), schema="rollouts")
+    return _manifest(sorted(parts, key=lambda p: p.name), schema="rollouts"), counts
 
 
 def score_eval_rollouts(
@@ -369,6 +379,16 @@ def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> 
     )
 
 
+def loop_stats(shard_counts: list[dict[str, float]]) -> dict[str, float]:
+    """The held-out samples' tool use as generate's tools/* and environment/* metrics, under val-aux/ (e.g.
+    val-aux/tools/use_rate, val-aux/tools/turns_mean, val-aux/environment/turns_mean), from their shards' counts,
+    greedy and sampled samples together; empty for single-turn samples."""
+    total: dict[str, float] = {}
+    for counts in shard_counts:
+        add_counts(total, counts)
+    return {f"val-aux/{name}": value for name, value in (tool_stats(total) | environment_stats(total)).items()}
+
+
 def _counts(table: pa.Table) -> dict[str, int]:
     errors = sum(e is not None for row in table.column("score_errors").to_pylist() for e in row)
     return {"prompts": table.num_rows, "failed_samples": errors}
@@ -401,4 +421,5 @@ __all__ = [
     "evaluation_metrics_from_table",
     "evaluation_table",
     "headline",
+    "loop_stats",
 ]

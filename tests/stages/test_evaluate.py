@@ -10,6 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from batchrl.agents.columns import conversation_counts
+from batchrl.agents.environment import environment_counts
+from batchrl.agents.loop import Conversation
 from batchrl.config import ConfigError, validate_dict
 from batchrl.errors import DataError
 from batchrl.pipeline.stage import StageContext
@@ -21,6 +24,7 @@ from batchrl.stages.evaluate import (
     evaluated_iterations,
     evaluation_metrics_from_table,
     evaluation_table,
+    loop_stats,
 )
 from batchrl.stages.heldout import HeldOutStage
 from batchrl.storage import RunLayout, read_parquet
@@ -126,6 +130,36 @@ def test_an_unreadable_held_out_file_is_a_data_error_naming_evaluate_files(tmp_p
         HeldOutStage().check_inputs(config(tmp_path, toy_model_dir, [str(tmp_path / "held_out.parquet")]))
 
 
+def conversation(turns: int, calls: int, status: str = "completed") -> Conversation:
+    c = Conversation([1], seed=0, turns=turns, status=status)
+    c.calls = [{"name": "calculator", "error": None} for _ in range(calls)]
+    return c
+
+
+def test_held_out_tool_use_is_generates_tool_metrics_over_every_shards_samples_under_val_aux():
+    shards = [
+        [conversation(2, 1), conversation(1, 0)],  # say the greedy shard
+        [conversation(3, 2), conversation(1, 0), conversation(4, 1, "max_turns")],
+    ]
+    stats = loop_stats([{"num_samples": len(s)} | conversation_counts(s) for s in shards])
+    assert stats["val-aux/tools/use_rate"] == pytest.approx(3 / 5)
+    assert stats["val-aux/tools/turns_mean"] == pytest.approx(11 / 5)
+    assert stats["val-aux/tools/calls_per_sample"] == pytest.approx(4 / 5)
+    assert stats["val-aux/tools/stop/max_turns"] == 1
+    assert not [name for name in stats if not name.startswith("val-aux/tools/")]
+
+
+def test_held_out_episodes_give_generates_environment_metrics_and_single_turn_samples_none():
+    episodes = [conversation(2, 3), conversation(1, 2, "env_error")]
+    episodes[0].environment_reward = 0.5
+    stats = loop_stats([{"num_samples": 2} | environment_counts(episodes)])
+    assert stats["val-aux/environment/turns_mean"] == pytest.approx(3 / 2)
+    assert stats["val-aux/environment/error_rate"] == pytest.approx(1 / 2)
+    assert stats["val-aux/environment/reward_mean"] == pytest.approx(0.5)
+    assert not [name for name in stats if "/tools/" in name]  # a reset and steps are no tool calls
+    assert loop_stats([{"num_samples": 4, "response_tokens": 9}, {"num_samples": 2, "response_tokens": 3}]) == {}
+
+
 def test_compare_reports_core_metrics_in_points():
     lines = compare(
         {"val-core/arith/reward/mean@1": 0.25, "val-aux/arith/num_prompts": 4},
@@ -184,6 +218,7 @@ def test_a_real_evaluation_agrees_with_the_reward_and_resamples_identically(engi
     } <= set(output.stats)
     assert all(1 <= n <= 4 for r in rows for n in r["sample_lengths"])
     assert sorted(output.extra_parts) == ["rollouts", "scores"]  # the prompts are the heldout stage's table
+    assert not [name for name in output.stats if "/tools/" in name or "/environment/" in name], "single-turn"
     _, again = run_evaluate(cfg, "second", engine_pool)
     assert again.column("sample_responses").to_pylist() == table.column("sample_responses").to_pylist()
     assert again.column("greedy_response").to_pylist() == table.column("greedy_response").to_pylist()
