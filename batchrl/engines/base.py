@@ -43,6 +43,7 @@ class SamplingSpec:
     top_k: int = -1  # -1 = disabled
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()  # extra stop strings; eos tokens always stop
+    logprobs: bool = True  # False: the caller reads no log-probs (a judge's verdict); an engine may then skip them
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -63,7 +64,8 @@ class SampleRecord:
 
     token_ids include the eos / stop-string-completing token when generation stopped on one (vLLM's
     behaviour), so they are exactly the tokens a trainer scores. `text` is the detokenized response
-    without special tokens, cut before a matched stop string. len(logprobs) == len(token_ids).
+    without special tokens, cut before a matched stop string. len(logprobs) == len(token_ids), or 0 where the
+    sampling asked for none (SamplingSpec.logprobs False) and the engine skipped them.
     """
 
     token_ids: list[int]

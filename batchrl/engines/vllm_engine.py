@@ -172,7 +172,8 @@ class VLLMEngine:
 
 
 def _sampling_params(sampling_params_cls: Any, sampling: SamplingSpec, *, seed: int) -> Any:
-    """One sample's vLLM SamplingParams; logprobs=0 returns just the sampled token's logprob."""
+    """One sample's vLLM SamplingParams; logprobs=0 returns just the sampled token's logprob (None: none, for a
+    caller that reads none, as the judge: vLLM then gathers and detokenizes no per-token log-probs)."""
     return sampling_params_cls(
         n=1,
         seed=seed,
@@ -181,7 +182,7 @@ def _sampling_params(sampling_params_cls: Any, sampling: SamplingSpec, *, seed: 
         top_k=sampling.top_k if sampling.top_k > 0 else 0,
         max_tokens=sampling.max_new_tokens,
         stop=list(sampling.stop) or None,
-        logprobs=0,
+        logprobs=0 if sampling.logprobs else None,
         detokenize=True,
         skip_special_tokens=True,
     )
@@ -189,7 +190,8 @@ def _sampling_params(sampling_params_cls: Any, sampling: SamplingSpec, *, seed: 
 
 def _to_record(completion: Any) -> SampleRecord:
     token_ids = list(completion.token_ids)
-    logprobs = [float(step[token_id].logprob) for token_id, step in zip(token_ids, completion.logprobs)]
+    steps = completion.logprobs or []  # None where the sampling asked for none
+    logprobs = [float(step[token_id].logprob) for token_id, step in zip(token_ids, steps)]
     finish_reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "length"
     if completion.finish_reason not in ("stop", "length"):
         logger.warning("vLLM finished a sample with %r; recording it as 'length'", completion.finish_reason)

@@ -86,7 +86,8 @@ class JudgeCalls:
         prompts = encode(texts, self.tokenizer, add_special_tokens=not j.apply_chat_template)
         # A prompt that leaves no room for a verdict is not sent: an engine would fail the whole batch on it
         fits = [k for k, p in enumerate(prompts) if len(p) < self.context_tokens]
-        sampling = SamplingSpec(temperature=temperature, top_p=j.top_p, max_new_tokens=j.max_new_tokens)
+        # a verdict is read as text: no per-token log-probs (the engine skips them, H2 measured their cost)
+        sampling = SamplingSpec(temperature=temperature, top_p=j.top_p, max_new_tokens=j.max_new_tokens, logprobs=False)
         groups = self.engine.generate([prompts[k] for k in fits], seeds=[[seeds[k]] for k in fits], sampling=sampling)
         answers = [
             ("", len(p), 0, f"{TOO_LONG}: {len(p)} tokens, the judge's context {self.context_tokens}") for p in prompts

@@ -6,6 +6,8 @@ re-tokenised text); and the same seeds must give the same conversations."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from batchrl.agents.calls import ParsedCall, ToolTurnFormat
@@ -207,3 +209,14 @@ def test_a_conversation_that_fills_the_engines_context_is_aborted_not_sent(engin
     assert called, "no turn stopped on its stop string: the test would prove nothing"
     assert all(c.status == "aborted" and c.turns == 1 for c in called)  # the tool turn filled the context
     assert all(len(c.prompt_token_ids) + c.mask.count(1) <= context for c in conversations)
+
+
+def test_sampling_without_logprobs_gives_the_same_samples_and_vllm_skips_the_logprobs(engine, prompts):
+    """What a judge asks for (it reads verdicts as text): the same tokens and text for the same seeds."""
+    seeds = [[seed] for seed in SEEDS[: len(prompts)]]
+    with_logprobs = engine.generate(prompts, seeds=seeds, sampling=SAMPLING)
+    without = engine.generate(prompts, seeds=seeds, sampling=replace(SAMPLING, logprobs=False))
+    for (a,), (b,) in zip(with_logprobs, without, strict=True):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert len(a.logprobs) == len(a.token_ids)
+        assert b.logprobs == ([] if engine.name.startswith("vllm") else a.logprobs)
