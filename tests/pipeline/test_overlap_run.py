@@ -183,11 +183,16 @@ def interrupt_when_logged(caplog, message: str) -> None:
     """SIGINT to this process (a KeyboardInterrupt in its main thread, as batchrl's SIGTERM handler raises) a second
     after a log record containing ``message``."""
 
+    # A process started in the background by a shell without job control (a CI script's `cmd &`) inherits SIGINT
+    # ignored, and Python then installs no handler: the signal would be lost and the run wait for its stopped ranks
+    # forever. The default handler raises KeyboardInterrupt, as batchrl's own does in `batchrl run`.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def wait_then_interrupt() -> None:
         deadline = time.monotonic() + 600
         while not any(message in record.getMessage() for record in list(caplog.records)):
             if time.monotonic() > deadline:
-                return  # the run never got there: its own failure says why
+                break  # the run never got there: interrupt it anyway, so that the test fails instead of hanging
             time.sleep(0.1)
         time.sleep(1)
         os.kill(os.getpid(), signal.SIGINT)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 import batchrl.api  # noqa: F401  (registers the built-in stages and the user-stage provider)
 from batchrl.config import PipelineConfig, load_pipeline, models
@@ -20,7 +21,8 @@ ACTORS = {"num_actors", "cpus_per_actor", "gpus_per_actor"}
 
 MARKED = {
     "DataConfig": {"num_actors", "cpus_per_actor", "prompts_per_iteration"},
-    "GenerateConfig": ACTORS | {"gpu_memory_utilization", "enforce_eager", "shard_timeout_s", "engine_lifetime"},
+    "GenerateConfig": ACTORS
+    | {"gpu_memory_utilization", "enforce_eager", "kv_block_size", "shard_timeout_s", "engine_lifetime"},
     # in the score and evaluate fingerprints all the same: they dump the score section whole (before the marker,
     # as now); leaving them out is a deliberate re-pin, not a refactor
     "RewardModelConfig": ACTORS,
@@ -119,12 +121,17 @@ def other_value(annotation: Any, value: Any) -> Any:
     if isinstance(value, dict):
         return {**value, "other": 1}
     kinds = [arg for arg in _flat(annotation) if arg is not type(None)]
-    return {int: 3, float: 0.5, str: "other", list: [0]}.get(kinds[0], kinds[0])  # for None: a literal or a number
+    if isinstance(kinds[0], type) and issubclass(kinds[0], BaseModel):  # an optional section (generate.environment)
+        section = kinds[0]
+        return section.model_construct(**{n: other_value(f.annotation, None) for n, f in section.model_fields.items()})
+    return {int: 3, float: 0.5, str: "other", list: [0], dict: {"other": 1}}.get(kinds[0], kinds[0])  # None: a literal
 
 
 def _flat(annotation: Any) -> list[Any]:
     """The types and literal values a (union, Literal, list[...]) annotation admits, origins for generics."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # Placement[T]: T
+        return _flat(args[0])
     if origin is typing.Literal:
         return list(args)
     if origin in (typing.Union, type(int | None)):
