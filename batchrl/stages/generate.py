@@ -497,6 +497,8 @@ def engine_spec(cfg: PipelineConfig) -> EngineSpec:
         "seed": cfg.run.seed,
         "trust_remote_code": cfg.model.trust_remote_code,
     }
+    if g.kv_block_size is not None:
+        engine_kwargs["block_size"] = g.kv_block_size
     if g.engine != "hf" and g.gpus_per_actor > 0:
         engine_kwargs["gpu_memory_utilization"] = g.gpu_memory_utilization
         if g.engine_lifetime == "sleep":

@@ -245,3 +245,12 @@ def test_sleeping_vllm_engines_need_gpus_and_get_sleep_mode_when_they_have_them(
     assert dict(engine_spec(on_gpus).engine_kwargs)["enable_sleep_mode"] is True
     hf = load_pipeline(write(tmp_path, dict(raw, generate={"engine": "hf", "engine_lifetime": "sleep"})))
     assert hf.generate.engine_lifetime == "sleep"
+
+
+def test_a_kv_block_size_reaches_the_vllm_engine_and_is_left_to_vllm_by_default(tmp_path):
+    from batchrl.stages.generate import engine_spec
+
+    raw = dict(MINIMAL, generate={"engine": "vllm", "kv_block_size": 32})
+    assert dict(engine_spec(load_pipeline(write(tmp_path, raw))).engine_kwargs)["block_size"] == 32
+    default = load_pipeline(write(tmp_path, dict(MINIMAL, generate={"engine": "vllm"})))
+    assert "block_size" not in dict(engine_spec(default).engine_kwargs)
