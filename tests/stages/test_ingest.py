@@ -354,9 +354,12 @@ def test_label_rule_follows_what_runs_on_a_row_and_each_rewards_mark():
     from batchrl.rewards import REWARDS, LabelRule, label_free, needs_ground_truth
 
     assert sorted(n for n, fn in REWARDS.items() if not needs_ground_truth(fn)) == [
+        "code_tests",  # its tests may be in extra_info: a row without any fails its samples at scoring, naming why
+        "environment",  # the environment's reward
         "format_boxed",
         "format_hash",
         "format_think",
+        "judge",  # the judge's verdict (its template may read {ground_truth}: a missing one is the sample's error)
         "overlong_penalty",
         "truncation_penalty",
     ]
