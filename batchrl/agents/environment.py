@@ -43,7 +43,7 @@ from functools import partial
 from typing import Any
 
 from batchrl.agents.calls import ToolTurnFormat
-from batchrl.agents.loop import CHARS_PER_TOKEN, Conversation, LoopSettings, allowance, run_with_timeouts, turn_seed
+from batchrl.agents.loop import CHARS_PER_TOKEN, Conversation, LoopSettings, generate_turn, run_with_timeouts
 from batchrl.errors import ConfigError, type_phrase
 from batchrl.references import import_reference
 
@@ -150,28 +150,13 @@ def run_episodes(
     for episode, observation in zip(episodes, _run(episodes, "reset", resets, settings, turn=-1), strict=True):
         if episode.conversation.status is None and observation is not None:
             _observe(episode.conversation, observation, settings, tokenizer, turn_format)
+    conversations = [e.conversation for e in episodes]
     for turn in range(settings.max_turns):
-        for e in episodes:
-            c = e.conversation
-            if (
-                c.status is None
-                and settings.max_context
-                and len(c.prompt_token_ids + c.token_ids) >= settings.max_context
-            ):
-                c.status = "aborted"
-        live = [e for e in episodes if e.conversation.status is None]
-        if not live:
+        generated = generate_turn(engine, conversations, sampling=sampling, settings=settings, turn=turn)
+        if not generated:
             break
-        allowances = [allowance(e.conversation, sampling.max_new_tokens, settings) for e in live]
-        groups = engine.generate(
-            [e.conversation.prompt_token_ids + e.conversation.token_ids for e in live],
-            seeds=[[turn_seed(e.conversation.seed, turn)] for e in live],
-            sampling=replace(sampling, max_new_tokens=max(allowances)),
-        )
-        actions = [
-            _take_turn(e.conversation, record, cap, tokenizer)
-            for e, (record,), cap in zip(live, groups, allowances, strict=True)
-        ]
+        live = [episodes[index] for index, _, _ in generated]
+        actions = [_take_turn(e.conversation, record, cap, tokenizer) for e, (_, record, cap) in zip(live, generated)]
         steps = _run(
             live,
             "step",
@@ -189,7 +174,7 @@ def run_episodes(
                 tokenizer=tokenizer,
                 turn_format=turn_format,
             )
-    return [e.conversation for e in episodes]
+    return conversations
 
 
 def _reset(make_env: Callable[[], Any], row: dict[str, Any], episode: _Episode) -> Any:

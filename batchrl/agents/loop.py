@@ -101,24 +101,14 @@ def run_conversations(
     conversations = [Conversation(list(p), s) for p, s in zip(prompt_token_ids, seeds, strict=True)]
     stop = tuple(sampling.stop) + ((CALL_STOP,) if CALL_STOP not in sampling.stop else ())
     for turn in range(settings.max_turns):
-        for c in conversations:
-            if (
-                c.status is None
-                and settings.max_context
-                and len(c.prompt_token_ids + c.token_ids) >= settings.max_context
-            ):
-                c.status = "aborted"  # the engine would refuse the prompt
-        live = [c for c in conversations if c.status is None]
-        if not live:
-            break
-        allowances = [allowance(c, sampling.max_new_tokens, settings) for c in live]
-        groups = engine.generate(
-            [c.prompt_token_ids + c.token_ids for c in live],
-            seeds=[[turn_seed(c.seed, turn)] for c in live],
-            sampling=replace(sampling, max_new_tokens=max(allowances), stop=stop),
+        generated = generate_turn(
+            engine, conversations, sampling=replace(sampling, stop=stop), settings=settings, turn=turn
         )
+        if not generated:
+            break
         calling = []
-        for conversation, (record,), cap in zip(live, groups, allowances, strict=True):
+        for index, record, cap in generated:
+            conversation = conversations[index]
             calls = _take_turn(conversation, record, cap, tokenizer=tokenizer, parse=parse)
             if calls and turn == settings.max_turns - 1:
                 conversation.status = "max_turns"
@@ -126,6 +116,28 @@ def run_conversations(
                 calling.append((conversation, calls))
         _answer_calls(calling, tools=tools, settings=settings, tokenizer=tokenizer, turn_format=turn_format, turn=turn)
     return conversations
+
+
+def generate_turn(
+    engine: Any, conversations: list[Conversation], *, sampling: Any, settings: LoopSettings, turn: int
+) -> list[tuple[int, Any, int]]:
+    """One turn of every live conversation, in one ``engine.generate`` call: (index, record, allowance) of each
+    conversation generated, none when all have ended. A conversation whose ids fill the engine's context ends here
+    (aborted: the engine would refuse its prompt); each is prompted with its ids so far and its turn's seed, and
+    allowed what its budget and the context leave (`allowance`). The tool loop's and the environments' turn."""
+    for c in conversations:
+        if c.status is None and settings.max_context and len(c.prompt_token_ids + c.token_ids) >= settings.max_context:
+            c.status = "aborted"
+    live = [i for i, c in enumerate(conversations) if c.status is None]
+    if not live:
+        return []
+    allowances = [allowance(conversations[i], sampling.max_new_tokens, settings) for i in live]
+    groups = engine.generate(
+        [conversations[i].prompt_token_ids + conversations[i].token_ids for i in live],
+        seeds=[[turn_seed(conversations[i].seed, turn)] for i in live],
+        sampling=replace(sampling, max_new_tokens=max(allowances)),
+    )
+    return [(i, record, cap) for i, (record,), cap in zip(live, groups, allowances, strict=True)]
 
 
 def allowance(conversation: Conversation, max_new_tokens: int, settings: LoopSettings) -> int:
