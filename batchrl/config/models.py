@@ -67,6 +67,12 @@ class UserStageConfig(ActorResources):
         description="Stage name (lower case, digits, _): in the plan, `--from-stage`, metrics (stage/<name>/...) and "
         "its table's directory, <iteration>/<name>/.",
     )
+    num_actors: Placement[int | None] = Field(
+        None,
+        ge=1,
+        description="Actors of the stage's pool, each building its Class once; null: as many as the Ray cluster's "
+        "CPUs (and GPUs, with gpus_per_actor) hold at cpus_per_actor (gpus_per_actor) each.",
+    )
     after: InsertionPoint = Field(
         ...,
         description="The built-in stage it follows: it reads that stage's table (rollouts, scores, advantages) and "

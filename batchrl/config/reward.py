@@ -92,6 +92,12 @@ class ScoreConfig(_Strict):
         None,
         description="A sequence-classification reward model whose score is one more component, named 'reward_model'.",
     )
+    num_actors: Placement[int | None] = Field(
+        None,
+        ge=1,
+        description="Actors scoring rule rewards, one CPU each (with a reward model: score.reward_model.num_actors); "
+        "null: one per CPU of the Ray cluster.",
+    )
     reward_processes: Placement[int] = Field(
         1,
         ge=1,

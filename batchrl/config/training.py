@@ -50,6 +50,12 @@ class AdvantageConfig(_Strict):
     kl_in_reward_max_tokens: int = Field(
         8192, ge=1, description="Padded-token budget of one reference forward micro-batch when kl_in_reward_coef > 0."
     )
+    num_actors: Placement[int | None] = Field(
+        None,
+        ge=1,
+        description="Actors of the advantage stage's pool (and of its batch-moments pass), one CPU each; null: one per "
+        "CPU of the Ray cluster. With kl_in_reward_coef each loads the reference model: set it to what memory holds.",
+    )
     kl_in_reward_share_prompt: Placement[bool] = Field(
         False,
         description="The reference forward computes each prompt once per "
@@ -85,6 +91,12 @@ class CriticConfig(ActorResources):
     """PPO's value model: per-token values of every rollout (the values stage, num_actors actors that each load the
     critic once), trained in the update's ranks."""
 
+    num_actors: Placement[int | None] = Field(
+        None,
+        ge=1,
+        description="Actors of the values stage's pool, each loading the critic once; null: as many as the Ray "
+        "cluster's CPUs (and GPUs, with gpus_per_actor) hold at cpus_per_actor (gpus_per_actor) each.",
+    )
     model_path: str | None = Field(
         None,
         description="Checkpoint the critic starts from at the first iteration: an HF token-classification "

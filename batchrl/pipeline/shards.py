@@ -65,6 +65,16 @@ SHARD_MAX_RETRIES = 3  # retries of a shard whose actor died while processing it
 
 
 @dataclass(frozen=True)
+class PoolActors:
+    """The actor pool of a stage that has no ActorResources section of its own (score's rule rewards, advantage):
+    ``num_actors`` None is one per ``cpus_per_actor`` CPUs of the cluster (`derived_actors`)."""
+
+    num_actors: int | None = None
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+
+
+@dataclass(frozen=True)
 class ShardJob:
     input_uri: str
     output_uri: str
@@ -274,11 +284,11 @@ def run_sharded(
     *,
     worker_cls: type[ShardWorker],
     worker_kwargs: dict[str, Any],
-    actors: ActorResources,
+    actors: ActorResources | PoolActors,
 ) -> tuple[list[PartInfo], dict[str, float]]:
     """Runs ``worker_cls`` over every input part of ``shards`` not yet done (see `pending_shards`), in a pool of
-    ``actors`` (a config section's actor resources); returns the parts in input order and the summed counts. Each
-    finished shard is recorded in the output's journal as its result arrives."""
+    ``actors`` (a config section's actor resources; num_actors None: `derived_actors`); returns the parts in input
+    order and the summed counts. Each finished shard is recorded in the output's journal as its result arrives."""
     jobs = shard_jobs(input_dir=shards.input_dir, input_manifest=shards.input_manifest, output_dir=shards.output_dir)
     parts, counts, todo = pending_shards(jobs, output_dir=shards.output_dir)
     rows = map_shards(
@@ -303,7 +313,7 @@ def map_shards(
     worker_kwargs: dict[str, Any],
     jobs: list[dict[str, Any]],
     *,
-    concurrency: int,
+    concurrency: int | None,
     num_cpus: float,
     num_gpus: float = 0.0,
     description: str = "stage",
@@ -311,7 +321,8 @@ def map_shards(
     embedded_ray: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """The result rows of ``worker_cls`` (a Ray Data batch callable, one row per job) over ``jobs``, as they come:
-    from a Ray Data actor pool, or from one worker in the driver for a lone CPU shard (`runs_in_driver`)."""
+    from a Ray Data actor pool of ``concurrency`` actors (None: `derived_actors`), or from one worker in the driver
+    for a lone CPU shard (`runs_in_driver`)."""
     if not jobs:
         return
     if runs_in_driver(len(jobs), num_gpus=num_gpus, embedded_ray=embedded_ray):
@@ -319,7 +330,8 @@ def map_shards(
         return
     import ray.data
 
-    size = pool_size(concurrency, len(jobs), ray.available_resources(), num_cpus=num_cpus, num_gpus=num_gpus)
+    wanted = derived_actors(concurrency, ray.cluster_resources(), num_cpus=num_cpus, num_gpus=num_gpus)
+    size = pool_size(wanted, len(jobs), ray.available_resources(), num_cpus=num_cpus, num_gpus=num_gpus)
     dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))
     with warnings.catch_warnings():
         # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
@@ -338,6 +350,22 @@ def map_shards(
             for row in mapped.iter_rows():
                 yield row
                 bar.advance()
+
+
+def derived_actors(num_actors: int | None, total: dict[str, float], *, num_cpus: float, num_gpus: float) -> int:
+    """A stage's actors: ``num_actors`` when its config sets it, else as many as the Ray cluster's resources
+    (``total``, ray.cluster_resources(): the embedded Ray's ray.num_cpus or all this host's CPUs, or a cluster's)
+    hold at ``num_cpus`` (and ``num_gpus``) each; at least one.
+
+    Why from the cluster: a constant (it was 2) left 62 of a 64-core host's CPUs idle in score and advantage, and a
+    cluster's nodes unused. `pool_size` then caps it by the jobs and by what is free when the pool starts."""
+    if num_actors is not None:
+        return num_actors
+    size = int(total.get("CPU", 0) // num_cpus) if num_cpus > 0 else None
+    if num_gpus > 0:
+        gpu_size = int(total.get("GPU", 0) // num_gpus)
+        size = gpu_size if size is None else min(size, gpu_size)
+    return max(1, size or 1)
 
 
 def pool_size(concurrency: int, num_jobs: int, free: dict[str, float], *, num_cpus: float, num_gpus: float) -> int:

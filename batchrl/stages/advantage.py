@@ -23,8 +23,8 @@ import pyarrow as pa
 from batchrl.algorithms.advantages import BatchMoments
 from batchrl.algorithms.estimators import ESTIMATORS
 from batchrl.config import PipelineConfig
-from batchrl.config.models import ActorResources, AdvantageConfig, fingerprint_dump
-from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
+from batchrl.config.models import AdvantageConfig, fingerprint_dump
+from batchrl.pipeline.shards import PoolActors, ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import STAGE_PROVIDERS, Stage, StageContext, StageOutput
 from batchrl.stages.advantage_gae import gae_stats, token_moments, token_output
 from batchrl.stages.advantage_group import group_moments, group_output
@@ -135,7 +135,7 @@ class AdvantageStage(Stage):
             ShardRun.of(ctx, source, description="advantage"),
             worker_cls=AdvantageWorker,
             worker_kwargs={"config": a.model_dump(), "moments": moments, "reference_path": ctx.cfg.model.path},
-            actors=ActorResources(num_actors=max(1, ctx.cfg.ray.num_cpus or 2), cpus_per_actor=1),
+            actors=PoolActors(num_actors=a.num_actors),
         )
         stats = advantage_stats(counts, a, iteration=ctx.iteration, kind_stats=kind_code(a).stats(counts))
         return StageOutput(parts=parts, counts=manifest_counts(counts), stats=stats)

@@ -61,7 +61,7 @@ def shard_moments(
         worker_cls,
         {"config": cfg.model_dump(), "reference_path": ctx.cfg.model.path},
         jobs,
-        concurrency=max(1, ctx.cfg.ray.num_cpus or 2),
+        concurrency=cfg.num_actors,  # the second pass's pool size (None: one per CPU of the cluster)
         num_cpus=1,
         description="advantage: moments",
         progress_bars=ctx.cfg.tracking.progress_bars,

@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import ActorResources, fingerprint_dump
 from batchrl.errors import DataError
-from batchrl.pipeline.shards import ShardRun, ShardWorker, run_sharded
+from batchrl.pipeline.shards import PoolActors, ShardRun, ShardWorker, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import resolve_reward, reward_code
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
@@ -505,7 +505,7 @@ class ScoreStage(Stage):
             ShardRun.of(ctx, "rollouts", description="score"),
             worker_cls=ScoreWorker,
             worker_kwargs=self.reward_kwargs(cfg),
-            actors=rm or ActorResources(num_actors=max(1, cfg.ray.num_cpus or 2)),  # rule rewards: a CPU each
+            actors=rm or PoolActors(num_actors=cfg.score.num_actors),  # rule rewards: a CPU each
         )
         n = int(counts.get("num_samples", 0))
         if counts.get("failed_samples"):

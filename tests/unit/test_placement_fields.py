@@ -26,10 +26,11 @@ MARKED = {
     # in the score and evaluate fingerprints all the same: they dump the score section whole (before the marker,
     # as now); leaving them out is a deliberate re-pin, not a refactor
     "RewardModelConfig": ACTORS,
-    "ScoreConfig": {"reward_processes"},  # score, evaluate and heldout dump the section less its Placement fields
-    # and its endpoint's api_key_env, max_concurrency, timeout_s and retries (JudgeEndpoint's)
+    # score, evaluate and heldout dump the section less its Placement fields and its endpoint's api_key_env,
+    # max_concurrency, timeout_s and retries (JudgeEndpoint's)
+    "ScoreConfig": {"num_actors", "reward_processes"},
     "JudgeConfig": ACTORS | {"gpu_memory_utilization", "enforce_eager"},
-    "AdvantageConfig": {"kl_in_reward_share_prompt"},
+    "AdvantageConfig": {"num_actors", "kl_in_reward_share_prompt"},
     "CriticConfig": ACTORS,
     "UpdateConfig": {
         "share_prompt",
