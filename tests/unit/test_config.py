@@ -254,3 +254,17 @@ def test_a_kv_block_size_reaches_the_vllm_engine_and_is_left_to_vllm_by_default(
     assert dict(engine_spec(load_pipeline(write(tmp_path, raw))).engine_kwargs)["block_size"] == 32
     default = load_pipeline(write(tmp_path, dict(MINIMAL, generate={"engine": "vllm"})))
     assert "block_size" not in dict(engine_spec(default).engine_kwargs)
+
+
+def test_multi_turn_rollouts_on_vllm_cpu_get_32_token_kv_blocks_unless_the_config_says_otherwise(tmp_path):
+    from batchrl.stages.generate import engine_spec
+
+    def block_size(generate: dict) -> int | None:
+        cfg = load_pipeline(write(tmp_path, dict(MINIMAL, generate=generate)))
+        return dict(engine_spec(cfg).engine_kwargs).get("block_size")
+
+    assert block_size({"engine": "vllm", "tools": ["calculator"]}) == 32
+    assert block_size({"engine": "vllm", "tools": ["calculator"], "kv_block_size": 128}) == 128
+    assert block_size({"engine": "vllm"}) is None  # single-turn: vLLM's own
+    assert block_size({"engine": "vllm", "tools": ["calculator"], "gpus_per_actor": 1}) is None  # GPUs: vLLM's 16
+    assert block_size({"engine": "hf", "tools": ["calculator"]}) is None  # no KV blocks to size
