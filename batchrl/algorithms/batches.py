@@ -58,6 +58,7 @@ class Batch:
     batches_per_epoch: int
     slices: tuple[Slice, ...]
     whole_parts: bool  # every slice is a whole part, in table order (prompts_per_iteration unset or >= the table)
+    sources: tuple = ()  # a mixed batch (data.sources): each source's `mixing.SourceShare`, in the sources' order
 
     @property
     def rows(self) -> int:
@@ -71,9 +72,10 @@ def batches_per_epoch(num_rows: int, batch_size: int | None) -> int:
     return num_rows // batch_size
 
 
-def part_order(num_parts: int, *, seed: int, epoch: int) -> list[int]:
-    """The indices of the parts in epoch ``epoch``'s order: a permutation keyed by (seed, epoch) alone."""
-    return keyed_order(num_parts, seed=seed, epoch=epoch)
+def part_order(num_parts: int, *, seed: int, epoch: int, stream: str = "") -> list[int]:
+    """The indices of the parts in epoch ``epoch``'s order: a permutation keyed by (seed, epoch) alone, or with
+    ``stream`` (a source of a mixed batch) by (seed, epoch, stream)."""
+    return keyed_order(num_parts, seed=seed, epoch=epoch, stream=stream)
 
 
 def row_order(num_rows: int, *, seed: int, epoch: int, part: str) -> list[int]:
@@ -82,8 +84,11 @@ def row_order(num_rows: int, *, seed: int, epoch: int, part: str) -> list[int]:
     return keyed_order(num_rows, seed=seed, epoch=epoch, stream=part)
 
 
-def iteration_batch(parts: list[tuple[str, int]], *, seed: int, iteration: int, batch_size: int | None) -> Batch:
-    """The prompts of ``iteration``, as slices of ``parts`` ((name, rows) in table order)."""
+def iteration_batch(
+    parts: list[tuple[str, int]], *, seed: int, iteration: int, batch_size: int | None, stream: str = ""
+) -> Batch:
+    """The prompts of ``iteration``, as slices of ``parts`` ((name, rows) in table order). ``stream`` keys the order
+    of the parts as well (one source of a mixed batch, `mixing`); rows are keyed by their part's name already."""
     num_rows = sum(rows for _, rows in parts)
     per_epoch = batches_per_epoch(num_rows, batch_size)
     epoch, index = divmod(iteration, per_epoch)
@@ -92,7 +97,7 @@ def iteration_batch(parts: list[tuple[str, int]], *, seed: int, iteration: int, 
         return Batch(iteration, epoch, index, per_epoch, slices, whole_parts=True)
     first, last = index * batch_size, (index + 1) * batch_size
     slices, offset = [], 0
-    for position in part_order(len(parts), seed=seed, epoch=epoch):
+    for position in part_order(len(parts), seed=seed, epoch=epoch, stream=stream):
         name, rows = parts[position]
         start, stop = max(first, offset), min(last, offset + rows)
         if start < stop:

@@ -190,11 +190,6 @@ class PipelineConfig(_Strict):
                 else f"the critic section is used by advantage.estimator=gae only, not {self.advantage.estimator}; "
                 "set the estimator to gae or remove critic"
             )
-        if self.update.lora is not None and self.critic is not None:
-            raise ValueError(
-                "update.lora trains the policy's adapter only; a critic (advantage.estimator=gae) with LoRA is not "
-                "supported yet: remove update.lora, or use a critic-free estimator (grpo, rloo, ...)"
-            )
         if self.advantage.estimator not in ("reinforce_pp_baseline", "gae") and n < 2:
             raise ValueError(
                 f"generate.num_samples_per_prompt={n} must be >= 2 for group-relative advantages "
@@ -211,6 +206,15 @@ class PipelineConfig(_Strict):
                 )
             if name in names[:index]:
                 raise ValueError(f"stages[{index}].name={name!r} is used twice; each user stage needs its own name")
+        return self
+
+    @model_validator(mode="after")
+    def _check_data_sources(self) -> PipelineConfig:
+        if self.data.sources is not None and self.run.epochs is not None:
+            raise ValueError(
+                "run.epochs counts passes over one prompt table; with data.sources each source has its own epochs: "
+                "set run.iterations instead (and run.epochs: null)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -2,14 +2,53 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from batchrl.algorithms.mixing import source_counts
 from batchrl.config.base import ActorResources, Placement, _Strict
 from batchrl.references import is_reference
 
 BUILTIN_TOOLS = ("calculator", "python")  # batchrl.agents.tools.BUILTINS
+
+
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a directory of the prompts table and a metric key
+
+
+class SourceConfig(_Strict):
+    """One source of data.sources: its prompt files and its share of every iteration's batch."""
+
+    name: str = Field(
+        description="The source's name: its prompts' `source` column, the directory of its parts in the prompts "
+        "table and the suffix of its metrics (score/reward_mean/<name>). Letters, digits, '_', '.', '-'."
+    )
+    files: list[str] = Field(min_length=1, description="Its prompt files, directories or globs, as data.train_files.")
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="Its share of data.prompts_per_iteration, relative to the other weights (integer counts by the "
+        "largest remainder, after the sources with a count). Not part of the ingest fingerprint.",
+    )
+    count: int | None = Field(
+        None, ge=1, description="Exactly this many of its prompts per iteration, instead of a weight."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not SOURCE_NAME.match(name):
+            raise ValueError(
+                f"source name {name!r} must be 1-64 letters, digits, '_', '.' or '-', not starting with one"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _check_share(self) -> SourceConfig:
+        if (self.weight is None) == (self.count is None):
+            raise ValueError(f"data.sources[{self.name}]: give exactly one of weight and count")
+        return self
 
 
 class DataConfig(_Strict):
@@ -18,7 +57,23 @@ class DataConfig(_Strict):
         min_length=1,
         description="Prompt files, directories or globs (local or s3://...): Parquet, or JSON Lines (*.jsonl, "
         "*.jsonl.gz: one JSON object per line, with the same fields). A directory is searched for *.parquet, *.jsonl "
-        "and *.jsonl.gz. Both batchrl's and verl's column layouts are accepted.",
+        "and *.jsonl.gz. Both batchrl's and verl's column layouts are accepted. With data.sources: left out (it is "
+        "then their files, in their order).",
+    )
+    sources: list[SourceConfig] | None = Field(
+        None,
+        min_length=1,
+        description="Instead of train_files: named prompt sources mixed in every iteration's batch in fixed "
+        "proportions (README, 'Mixing data sources'). Each source is shuffled and cycled on its own (a source that "
+        "runs out starts its next epoch); needs data.prompts_per_iteration when a source has a weight.",
+    )
+    prompt_stats: bool = Field(
+        False,
+        description="Keep the prompt-statistics table (iter_i/prompt_stats/: per prompt, times sampled, last and "
+        "running mean reward, pass rate, last iteration seen), cumulative over iterations. On with data.sources.",
+    )
+    pass_threshold: float = Field(
+        0.5, description="A sample passes (prompt_stats' pass rate) when its score is above this."
     )
     shard_size: int = Field(
         256, ge=1, description="Prompts per shard of the prompts table; the unit of work and of resume."
@@ -57,6 +112,57 @@ class DataConfig(_Strict):
         "permutation each epoch). null, or a value >= the table: every iteration is the whole table. Not part of "
         "the ingest fingerprint: changing it never re-ingests.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _files_of_sources(cls, raw: Any) -> Any:
+        """With sources, train_files is their files in their order: written by the user as well, it is an error
+        (unless it is exactly that list: a dumped config, run.yaml, read back)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("sources"), list):
+            return raw
+        files = [f for s in raw["sources"] if isinstance(s, dict) for f in (s.get("files") or [])]
+        if raw.get("train_files") is not None and list(raw["train_files"]) != files:
+            raise ValueError("give data.train_files or data.sources, not both (each source lists its own files)")
+        return {**raw, "train_files": files or raw.get("train_files")}
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        if self.sources is None:
+            return self
+        names = [source.name for source in self.sources]
+        for index, name in enumerate(names):
+            if name in names[:index]:
+                raise ValueError(f"data.sources[{index}].name={name!r} is used twice; each source needs its own name")
+        fixed = sum(source.count or 0 for source in self.sources)
+        weighted = [source for source in self.sources if source.weight is not None]
+        total = self.prompts_per_iteration
+        if weighted and total is None:
+            raise ValueError("data.sources with a weight need data.prompts_per_iteration (the batch they share)")
+        if total is not None and (fixed > total or (not weighted and fixed != total)):
+            raise ValueError(
+                f"data.sources' counts sum to {fixed}: they must "
+                + (
+                    f"equal data.prompts_per_iteration={total}"
+                    if not weighted
+                    else f"leave room in {total} for the weights"
+                )
+            )
+        for index, (source, count) in enumerate(zip(self.sources, self.source_counts().values())):
+            if count == 0:
+                raise ValueError(
+                    f"data.sources[{index}].weight={source.weight} gives {source.name!r} 0 of the "
+                    f"{total} prompts per iteration; raise it, or give the source a count"
+                )
+        return self
+
+    def source_counts(self) -> dict[str, int]:
+        """Prompts per iteration of each of data.sources, in their order (weights: by the largest remainder)."""
+        sources = self.sources or []
+        return source_counts(
+            counts={s.name: s.count for s in sources},
+            weights={s.name: s.weight for s in sources},
+            total=self.prompts_per_iteration,
+        )
 
 
 class EnvironmentConfig(_Strict):

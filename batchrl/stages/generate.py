@@ -30,6 +30,7 @@ from batchrl.agents.columns import tool_stats
 from batchrl.agents.environment import environment_stats
 from batchrl.agents.tools import tool_digests
 from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
+from batchrl.algorithms.mixing import mixed_batch
 from batchrl.config import PipelineConfig
 from batchrl.config.models import fingerprint_dump
 from batchrl.errors import DataError
@@ -354,6 +355,7 @@ class GenerateStage(Stage):
                 "dtype": cfg.model.dtype,
             }
             | (batches if cfg.data.prompts_per_iteration else {})
+            | ({"source_counts": cfg.data.source_counts()} if cfg.data.sources else {})
             | agent_code(cfg)
         )
 
@@ -451,9 +453,15 @@ def agent_code(cfg: PipelineConfig) -> dict[str, Any]:
 
 def prompt_batch(cfg: PipelineConfig, iteration: int | None, prompts: Manifest) -> Batch:
     """The prompts ``iteration`` rolls out (see batchrl.algorithms.batches): all of them when
-    data.prompts_per_iteration is unset."""
+    data.prompts_per_iteration is unset; with data.sources, each source's count from its own stream (`mixing`)."""
+    parts = [(part.name, part.rows) for part in prompts.parts]
+    if cfg.data.sources:
+        try:
+            return mixed_batch(parts, counts=cfg.data.source_counts(), seed=cfg.run.seed, iteration=iteration or 0)
+        except ValueError as err:
+            raise DataError(f"data.sources: {err} (lower its weight or count, or add prompts)") from None
     return iteration_batch(
-        [(part.name, part.rows) for part in prompts.parts],
+        parts,
         seed=cfg.run.seed,
         iteration=iteration or 0,
         batch_size=cfg.data.prompts_per_iteration,
@@ -470,13 +478,16 @@ def batch_parts(batch: Batch) -> list[tuple[str, Slice]]:
 
 def batch_stats(batch: Batch) -> dict[str, float]:
     """Where the iteration is in the prompt set: its epoch, its batch in the epoch, prompts rolled out so far."""
+    per_source = {}
+    for share in batch.sources:  # a mixed batch: where each source's own stream is
+        per_source |= {f"data/epoch/{share.name}": share.epoch, f"data/prompts/{share.name}": share.count}
     return {
         "data/epoch": batch.epoch,
         "data/batch_in_epoch": batch.index_in_epoch,
         "data/batches_per_epoch": batch.batches_per_epoch,
         "data/prompts": batch.rows,
         "data/prompts_consumed": (batch.iteration + 1) * batch.rows,
-    }
+    } | per_source
 
 
 def generation_actor_need(cfg: PipelineConfig) -> ActorNeed:

@@ -43,13 +43,14 @@ from typing import Any
 
 from batchrl.agents.prompt_tools import tool_schema_fingerprint
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.config.base import fingerprint_dump
+from batchrl.config.base import placement_fields
+from batchrl.config.rollout import DataConfig
 from batchrl.errors import DataError
 from batchrl.pipeline.shards import ACTOR_MAX_RESTARTS, SHARD_MAX_RETRIES
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_duplicates import later_occurrences, map_groups
-from batchrl.stages.ingest_rows import check_columns, rewards_need_data_source
+from batchrl.stages.ingest_rows import check_columns, files_by_source, rewards_need_data_source
 from batchrl.stages.ingest_worker import IngestWorker
 from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve
 from batchrl.storage.inputs import Chunk, InputFile, describe_inputs, plan_chunks
@@ -82,7 +83,12 @@ class IngestStage(Stage):
         return [("data.train_files", uri) for uri in cfg.data.train_files]
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        data = fingerprint_dump(cfg.data, exclude_defaults=True)  # without prompts_per_iteration (generate's) or actors
+        # without prompts_per_iteration (generate's) or actors; nor the sources' shares (generate's) or the statistics
+        # (prompt_stats'): a source's name and files make its rows
+        dropped = {name: True for name in placement_fields(DataConfig) | {"prompt_stats", "pass_threshold"}}
+        data = cfg.data.model_dump(
+            exclude=dropped | {"sources": {"__all__": {"weight", "count"}}}, exclude_defaults=True
+        )
         logged = {}
         if cfg.generate.logged is not None:  # rows need (and carry) their logged responses, cut at max_new_tokens
             logged = {"logged": cfg.generate.logged == "all" or "some", "max_new_tokens": cfg.generate.max_new_tokens}
@@ -95,6 +101,7 @@ class IngestStage(Stage):
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         check_prompt_files(cfg, field="data.train_files")
+        files_by_source(cfg)  # data.sources: no file in two sources
 
     def run(self, ctx: StageContext) -> StageOutput:
         return ingest_prompt_files(ctx, field="data.train_files")
@@ -125,7 +132,8 @@ def check_prompt_files(cfg: PipelineConfig, *, field: str) -> None:
 
 def ingest_prompt_files(ctx: StageContext, *, field: str) -> StageOutput:
     """The prompts table of ``ctx.cfg.data.train_files`` written into ``ctx.output_dir`` (resuming from its journal
-    there), with its rejects side table."""
+    there), with its rejects side table. With data.sources, a file's rows carry their source's name and go into parts
+    under a directory of that name (`ingest_rows.source_of_file`, `mixing.source_of_part`)."""
     cfg = ctx.cfg
     try:
         uris = expand_input_files(cfg.data.train_files, field=field)
@@ -427,7 +435,8 @@ def _remove_strays(output_dir: str, *, keep: set[str]) -> None:
     """Removes the parts, rejects parts and temporary files under ``output_dir`` not in ``keep`` (one listing)."""
     fs, path = resolve(output_dir)
     for name in file_sizes(output_dir):
-        ours = name.startswith(("part-", REJECTS_DIR)) or name.rsplit("/", 1)[-1].startswith(".tmp-")
+        base = name.rsplit("/", 1)[-1]  # a source's parts are under its directory (data.sources)
+        ours = name.startswith(REJECTS_DIR) or base.startswith(("part-", ".tmp-"))
         if ours and name not in keep:
             fs.rm(f"{path.rstrip('/')}/{name}")
 

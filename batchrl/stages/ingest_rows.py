@@ -14,6 +14,7 @@ whole input, see ingest_duplicates), and with generate.logged those of the logge
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,10 +22,11 @@ from decimal import Decimal
 from typing import Any
 
 from batchrl.agents.prompt_tools import prompt_tool_schemas, render_with_tools
-from batchrl.config import PipelineConfig
+from batchrl.config import ConfigError, PipelineConfig
 from batchrl.errors import DataError, type_phrase
 from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_logged import LOGGED_INPUT_COLUMNS, check_logged, logged_fields, rewards_complete
+from batchrl.storage import StorageError, expand_input_files
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render (OpenAI's, verl's data)
 INPUT_COLUMNS = [
@@ -308,3 +310,30 @@ def check_columns(
     else:
         return
     raise DataError(f"{field}: {uri} has no {missing} column (columns: {sorted(columns)}); {hint}")
+
+
+def files_by_source(cfg: PipelineConfig) -> dict[str, str]:
+    """The source of each input file of data.sources (expanded URI -> source name; {} without sources).
+    ConfigError naming the field when a file is in two sources: its rows would be both's."""
+    sources = tuple((s.name, tuple(s.files)) for s in cfg.data.sources or [])
+    return dict(_owners(sources))
+
+
+def source_of_file(cfg: PipelineConfig, uri: str) -> str | None:
+    """The data.sources name of input file ``uri`` (None without sources, or for a file of no source: held-out)."""
+    return files_by_source(cfg).get(uri) if cfg.data.sources else None
+
+
+@functools.lru_cache(maxsize=4)  # once per worker and config: a glob or an s3:// prefix is listed once, not per chunk
+def _owners(sources: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[tuple[str, str], ...]:
+    owner: dict[str, str] = {}
+    for index, (name, patterns) in enumerate(sources):
+        field = f"data.sources[{index}].files"
+        try:
+            uris = expand_input_files(list(patterns), field=field)
+        except StorageError as err:
+            raise ConfigError(f"{err}; fix {field}") from None
+        for uri in uris:
+            if owner.setdefault(uri, name) != name:
+                raise ConfigError(f"{field}: {uri} is in sources {owner[uri]!r} and {name!r}; list it in one")
+    return tuple(owner.items())

@@ -32,13 +32,14 @@ from batchrl.stages.ingest_rows import (
     fit_length,
     load_tokenizer,
     normalized_row,
+    source_of_file,
     tokenize_rows,
     validate,
 )
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 from batchrl.storage.inputs import Chunk, read_chunk
 from batchrl.storage.manifest import PartInfo
-from batchrl.storage.schemas import load_schema
+from batchrl.storage.schemas import absent_as_null, load_schema
 
 logger = logging.getLogger(__name__)
 
@@ -112,23 +113,32 @@ def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: st
     for row in rows:
         reject = fit_length(row, tokenizer, max_tokens=data.max_prompt_tokens, policy=data.overlong_prompts)
         (kept if reject is None else rejects).append(row if reject is None else reject)
-    tables = [prompt_table(kept[start : start + data.shard_size]) for start in range(0, len(kept), data.shard_size)]
-    parts = write_parts(chunk, tables, output_dir=output_dir)
+    source = source_of_file(cfg, chunk.uri)  # data.sources: the rows' source, and the directory of their parts
+    tables = [
+        prompt_table(kept[start : start + data.shard_size], source=source)
+        for start in range(0, len(kept), data.shard_size)
+    ]
+    names = chunk.part_names(len(tables))
+    parts = write_parts([f"{source}/{n}" for n in names] if source else names, tables, output_dir=output_dir)
     rejects.sort(key=lambda r: r.source_row)
     reject_part = write_rejects(chunk, [asdict(r) for r in rejects], output_dir=output_dir)
     counts = chunk_counts(tables, rejects=rejects, truncated=sum(r.get("truncated", False) for r in kept))
     return {"key": chunk.key, "parts": [asdict(p) for p in parts + reject_part], "counts": counts, "read": len(records)}
 
 
-def prompt_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """Rows as a table of the prompts schema (built column by column: twice as fast as row dicts)."""
-    schema = load_schema("prompts")
-    return pa.table({name: [row[name] for row in rows] for name in schema.names}, schema=schema)
+def prompt_table(rows: list[dict[str, Any]], *, source: str | None = None) -> pa.Table:
+    """Rows as a table of the prompts schema (built column by column: twice as fast as row dicts); ``source``: the
+    data.sources name of every row (else a row's own, null when it has none)."""
+    schema, optional = load_schema("prompts"), absent_as_null("prompts")
+    columns = {name: [row.get(name) if name in optional else row[name] for row in rows] for name in schema.names}
+    if source is not None:
+        columns["source"] = [source] * len(rows)
+    return pa.table(columns, schema=schema)
 
 
-def write_parts(chunk: Chunk, tables: list[pa.Table], *, output_dir: str) -> list[PartInfo]:
+def write_parts(names: list[str], tables: list[pa.Table], *, output_dir: str) -> list[PartInfo]:
     parts = []
-    for name, table in zip(chunk.part_names(len(tables)), tables):
+    for name, table in zip(names, tables):
         num_bytes, digest = write_parquet_atomic(table, join(output_dir, name))
         parts.append(PartInfo(name=name, rows=table.num_rows, sha256=digest, num_bytes=num_bytes))
     return parts

@@ -87,7 +87,16 @@ def test_the_built_in_run_order_is_the_pipeline_diagrams():
 
     # advantage's input depends on the config (the values table with a critic): planning syncs the stages first
     sync_stages(validate_dict({"name": "t", "model": {"path": "m"}, "data": {"train_files": ["d"]}}))
-    assert stage_order() == ["heldout", "ingest", "generate", "score", "advantage", "update", "evaluate"]
+    assert stage_order() == [
+        "heldout",
+        "ingest",
+        "generate",
+        "score",
+        "advantage",
+        "update",
+        "evaluate",
+        "prompt_stats",
+    ]
 
 
 # In a fresh process: the stage modules imported one by one in the order given (the package itself imports them
