@@ -18,7 +18,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchrl.algorithms.advantages import BatchMoments
 from batchrl.algorithms.estimators import ESTIMATORS
@@ -28,11 +30,13 @@ from batchrl.pipeline.shards import PoolActors, ShardRun, ShardWorker, run_shard
 from batchrl.pipeline.stage import STAGE_PROVIDERS, Stage, StageContext, StageOutput
 from batchrl.stages.advantage_gae import gae_stats, token_moments, token_output
 from batchrl.stages.advantage_group import group_moments, group_output
-from batchrl.stages.advantage_kl import reward_kl_for
+from batchrl.stages.advantage_kl import KL_DIR, drop_tapes, read_tape, reward_kl_for, write_tape
 from batchrl.stages.advantage_metrics import advantage_stats, manifest_counts, shard_counts
 from batchrl.stages.advantage_moments import global_moments
-from batchrl.storage import open_parquet, read_parquet
-from batchrl.storage.manifest import Manifest
+from batchrl.storage import join, open_parquet, read_parquet
+from batchrl.storage.manifest import Manifest, PartInfo
+
+ROW_GROUP_ROWS = 64  # rows per row group of an advantages part, at most (`group_aligned_rows`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +69,47 @@ def needs_batch_moments(cfg: AdvantageConfig) -> bool:
 class AdvantageWorker(ShardWorker):
     schema = "advantages"
     # Update ranks read their mini-batches' rows row group by row group (trainer/rows.py): small groups bound
-    # what one read decodes (~128 samples of list columns) whatever data.shard_size and rollout.n are.
-    row_group_rows = 128
+    # what one read decodes (~64 samples of list columns) whatever data.shard_size and rollout.n are, and let a
+    # rank read about its share with update.mini_batch_grain row_group. Set per part by `process`.
+    row_group_rows = ROW_GROUP_ROWS
 
-    def __init__(self, *, config: dict[str, Any], moments: dict[str, float] | None, reference_path: str | None = None):
+    def __init__(
+        self,
+        *,
+        config: dict[str, Any],
+        moments: dict[str, float] | None,
+        reference_path: str | None = None,
+        kl_dir: str | None = None,
+    ):
         self.cfg = AdvantageConfig.model_validate(config)
         self.moments = BatchMoments(**moments) if moments is not None else None
         self.reward_kl = reward_kl_for(self.cfg, reference_path)
+        self.kl_dir = kl_dir  # the first pass's tapes (`advantage_kl`), with KL in the reward and batch moments
+
+    def _one(self, input_uri: str, output_uri: str, sha256: str | None, row_ids: Any) -> tuple:
+        if self.reward_kl is not None:  # replay the KL the moments pass computed for this part, when it did
+            part = input_uri.rstrip("/").rsplit("/", 1)[-1]
+            self.reward_kl.begin_shard(read_tape(self.kl_dir, part) if self.kl_dir else None)
+        return super()._one(input_uri, output_uri, sha256, row_ids)
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         out, counts = kind_code(self.cfg).output(table, self.cfg, self.reward_kl, self.moments)
+        self.row_group_rows = group_aligned_rows(out)  # what `ShardWorker` writes this part with
         return out, shard_counts(table, out) | counts
+
+
+def group_aligned_rows(table: pa.Table) -> int:
+    """Rows per row group of an advantages part: the largest multiple of the group size up to ROW_GROUP_ROWS when
+    every prompt has as many samples, so that no prompt's samples straddle two row groups (a run of whole groups,
+    what an update rank reads with update.mini_batch_grain row_group, then decodes no row group for a few of its
+    rows); ROW_GROUP_ROWS otherwise. A group's rows are consecutive (one exploded group row)."""
+    ids = table.column("prompt_id").combine_chunks()
+    if len(ids) < 2:
+        return ROW_GROUP_ROWS
+    starts = np.flatnonzero(np.concatenate([[True], pc.not_equal(ids[1:], ids[:-1]).to_numpy(zero_copy_only=False)]))
+    sizes = np.diff(np.append(starts, len(ids)))
+    size = int(sizes[0])
+    return size * (ROW_GROUP_ROWS // size) if (sizes == size).all() and size <= ROW_GROUP_ROWS else ROW_GROUP_ROWS
 
 
 class MomentsWorker:
@@ -83,19 +117,30 @@ class MomentsWorker:
     a Ray Data batch callable returning one row per shard (name, moments_json). It reads only the columns it needs
     (the whole part with KL in the reward, whose reference pass needs the tokens)."""
 
-    def __init__(self, *, config: dict[str, Any], reference_path: str | None = None):
+    def __init__(self, *, config: dict[str, Any], reference_path: str | None = None, kl_dir: str | None = None):
         self.cfg = AdvantageConfig.model_validate(config)
         self.reward_kl = reward_kl_for(self.cfg, reference_path)  # the same penalised rewards the second pass sees
         self.kind = kind_code(self.cfg)
+        self.kl_dir = kl_dir  # where each shard's KL tape goes, for the second pass (None: not kept)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         columns = None if self.reward_kl is not None else self.kind.moment_columns
-        out: dict[str, list] = {"name": [], "moments_json": []}
+        out: dict[str, list] = {"name": [], "moments_json": [], "tape_json": []}
         for uri, name in zip(batch["input_uri"], batch["name"]):
+            if self.reward_kl is not None:
+                self.reward_kl.begin_shard()
             moments = self.kind.moments(read_columns(str(uri), columns), self.cfg, self.reward_kl)
             out["name"].append(str(name))
             out["moments_json"].append(json.dumps(dataclasses.asdict(moments)))
+            out["tape_json"].append(self._keep_tape(str(name)))
         return out
+
+    def _keep_tape(self, name: str) -> str:
+        """Writes the shard's KL tape; its PartInfo (name relative to the table) as JSON, "" without one."""
+        if self.reward_kl is None or self.kl_dir is None:
+            return ""
+        num_bytes, digest = write_tape(self.reward_kl.tape, join(self.kl_dir, name))
+        return json.dumps(dataclasses.asdict(PartInfo(f"{KL_DIR}/{name}", len(self.reward_kl.tape), digest, num_bytes)))
 
     def close(self) -> None:
         """Nothing to release (called when it ran in the driver)."""
@@ -128,15 +173,23 @@ class AdvantageStage(Stage):
 
     def run(self, ctx: StageContext) -> StageOutput:
         a, source = ctx.cfg.advantage, self.inputs[0]
-        moments = None
+        moments, kl_dir = None, None
         if needs_batch_moments(a):
-            moments = dataclasses.asdict(global_moments(ctx, a, source=source, worker_cls=MomentsWorker))
+            kl_dir = join(ctx.output_dir, KL_DIR) if a.kl_in_reward_coef > 0 else None  # one reference pass a shard
+            moments = dataclasses.asdict(global_moments(ctx, a, source=source, worker_cls=MomentsWorker, kl_dir=kl_dir))
         parts, counts = run_sharded(
             ShardRun.of(ctx, source, description="advantage"),
             worker_cls=AdvantageWorker,
-            worker_kwargs={"config": a.model_dump(), "moments": moments, "reference_path": ctx.cfg.model.path},
+            worker_kwargs={
+                "config": a.model_dump(),
+                "moments": moments,
+                "reference_path": ctx.cfg.model.path,
+                "kl_dir": kl_dir,
+            },
             actors=PoolActors(num_actors=a.num_actors),
         )
+        if kl_dir is not None:  # read: the tapes have served (a redo of the stage computes them again)
+            drop_tapes(kl_dir)
         stats = advantage_stats(counts, a, iteration=ctx.iteration, kind_stats=kind_code(a).stats(counts))
         return StageOutput(parts=parts, counts=manifest_counts(counts), stats=stats)
 
