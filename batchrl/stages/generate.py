@@ -29,7 +29,7 @@ import pyarrow as pa
 from batchrl.agents.columns import tool_stats
 from batchrl.agents.environment import environment_stats
 from batchrl.agents.tools import tool_digests
-from batchrl.algorithms.batches import Batch, Slice, batches_per_epoch, iteration_batch
+from batchrl.algorithms.batches import Batch, batches_per_epoch, iteration_batch
 from batchrl.algorithms.mixing import mixed_batch
 from batchrl.config import PipelineConfig
 from batchrl.config.models import fingerprint_dump
@@ -38,8 +38,8 @@ from batchrl.pipeline.deadlines import DeadlineStats, run_with_deadlines, task_r
 from batchrl.pipeline.shards import FinishedShards, ShardWorker, map_shards, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.references import source_digest
+from batchrl.stages.generate_jobs import batch_parts
 from batchrl.storage import join, local_copy
-from batchrl.storage.layout import part_name
 from batchrl.storage.manifest import Manifest
 from batchrl.storage.schemas import load_schema
 
@@ -366,7 +366,8 @@ class GenerateStage(Stage):
         return cfg.run.epochs * batches_per_epoch(prompts.num_rows, cfg.data.prompts_per_iteration)
 
     def output_parts(self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest]) -> list[str]:
-        return [name for name, _ in batch_parts(prompt_batch(cfg, iteration, inputs["prompts"]))]
+        batch = prompt_batch(cfg, iteration, inputs["prompts"])
+        return [name for name, _ in batch_parts(batch, num_engines=cfg.generate.num_actors)]
 
     def run(self, ctx: StageContext) -> StageOutput:
         g = ctx.cfg.generate
@@ -379,8 +380,8 @@ class GenerateStage(Stage):
                 "name": name,
                 "input_sha256": sha256[piece.part],
             }
-            | ({} if batch.whole_parts else {"row_ids": piece.row_indices()})
-            for name, piece in batch_parts(batch)
+            | ({} if batch.whole_parts and piece.row_ids is None else {"row_ids": piece.row_indices()})
+            for name, piece in batch_parts(batch, num_engines=g.num_actors)  # cut so that every engine has work
         ]
         parts, counts, jobs = pending_shards(all_jobs, output_dir=ctx.output_dir)
         timings: list[dict[str, float]] = []
@@ -399,7 +400,9 @@ class GenerateStage(Stage):
                 for row in rows:
                     finished.add(row)
         elif jobs:
-            actors = engine_actors(ctx, num_actors=min(g.num_actors, len(jobs)))
+            # the live engines when enough for these jobs, else all num_actors at once: a later iteration with more
+            # jobs (a resume that began with few left) reuses them rather than build new engines and CUDA graphs
+            actors = engine_actors(ctx, num_actors=min(g.num_actors, len(jobs)), build_actors=g.num_actors)
             settings = ShardSettings(
                 policy=ctx.policy_in,
                 num_samples_per_prompt=g.num_samples_per_prompt,
@@ -466,14 +469,6 @@ def prompt_batch(cfg: PipelineConfig, iteration: int | None, prompts: Manifest) 
         iteration=iteration or 0,
         batch_size=cfg.data.prompts_per_iteration,
     )
-
-
-def batch_parts(batch: Batch) -> list[tuple[str, Slice]]:
-    """(output part name, the prompts slice it is generated from): a whole-table iteration keeps the prompts' part
-    names (as before batches existed); a batch names its parts by position, part-00000 for its first slice."""
-    if batch.whole_parts:
-        return [(piece.part, piece) for piece in batch.slices]
-    return [(part_name(index), piece) for index, piece in enumerate(batch.slices)]
 
 
 def batch_stats(batch: Batch) -> dict[str, float]:
