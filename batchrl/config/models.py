@@ -190,6 +190,11 @@ class PipelineConfig(_Strict):
                 else f"the critic section is used by advantage.estimator=gae only, not {self.advantage.estimator}; "
                 "set the estimator to gae or remove critic"
             )
+        if self.update.lora is not None and self.critic is not None:
+            raise ValueError(
+                "update.lora trains the policy's adapter only; a critic (advantage.estimator=gae) with LoRA is not "
+                "supported yet: remove update.lora, or use a critic-free estimator (grpo, rloo, ...)"
+            )
         if self.advantage.estimator not in ("reinforce_pp_baseline", "gae") and n < 2:
             raise ValueError(
                 f"generate.num_samples_per_prompt={n} must be >= 2 for group-relative advantages "

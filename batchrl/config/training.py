@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from batchrl.algorithms.estimators import ESTIMATORS
 from batchrl.config.base import ActorResources, Placement, _Strict
@@ -128,6 +128,42 @@ class CriticConfig(ActorResources):
     )
 
 
+class LoraConfig(_Strict):
+    """A LoRA adapter (PEFT) trained instead of every weight of the policy: the base stays frozen, the optimizer and
+    its saved state hold the adapter's parameters only, and each iteration's policy/ holds the adapter
+    (policy/adapter/, PEFT's format) beside the merged checkpoint that the engines load."""
+
+    rank: int = Field(8, ge=1, description="LoRA rank r of every adapted matrix (verl's lora_rank).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update B@A is scaled by alpha / rank.")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input during the optimizer steps (the pre-update log-probs are "
+        "computed without it, as the rest of the model has no dropout).",
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="The modules that get an adapter: all-linear (every linear layer but the output head), or "
+        "module names as PEFT matches them (q_proj, v_proj: every module whose name ends so). A name that matches "
+        "no module of the model is a config error.",
+    )
+    init_from_adapter: str | None = Field(
+        None,
+        description="A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) the first update "
+        "continues, e.g. runs/x/iter_0003/policy/adapter; its rank and targets are the adapter's own. Later "
+        "updates continue the previous iteration's adapter. Default: a fresh adapter (B = 0: the policy starts "
+        "as model.path).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, targets: list[str] | str) -> list[str] | str:
+        if isinstance(targets, list) and (not targets or any(not name for name in targets)):
+            raise ValueError("give module names (e.g. [q_proj, v_proj]) or all-linear")
+        return targets
+
+
 class UpdateConfig(_Strict):
     num_processes: int | Literal["auto"] = Field(
         1,
@@ -226,6 +262,12 @@ class UpdateConfig(_Strict):
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute decoder-layer activations in backward (less memory, ~30% more compute)."
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train a LoRA adapter over the frozen model.path instead of every weight (see the lora "
+        "fields); the reference of the KL loss is then the same model with its adapter disabled. null: full "
+        "fine-tuning.",
     )
     share_prompt: Placement[bool] = Field(
         False,

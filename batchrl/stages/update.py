@@ -81,6 +81,7 @@ class UpdateStage(Stage):
     def check_inputs(self, cfg: PipelineConfig) -> None:
         # the split beside the engines: the session's check_devices
         check_rank_devices(cfg.update, cluster=on_cluster(cfg))
+        check_lora_targets(cfg)
 
     def check_ready(self, ctx: StageContext) -> None:
         # a state it cannot continue stops the run before its old output is cleared
@@ -95,7 +96,9 @@ class UpdateStage(Stage):
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         u = cfg.update
         config = {
-            "update": fingerprint_dump(u),  # keep_last_k_optimizer_states is placement, whether any is saved is not
+            # keep_last_k_optimizer_states is placement, whether any is saved is not; lora only when set, so that
+            # the fingerprints of full fine-tuning stay those from before it existed
+            "update": fingerprint_dump(u, exclude=frozenset() if u.lora else frozenset({"lora"})),
             "saves_optimizer_state": u.keep_last_k_optimizer_states != 0,
             "seed": cfg.run.seed,
             "dtype": cfg.model.dtype,
@@ -278,6 +281,23 @@ def check_rank_devices(u: UpdateConfig, *, cluster: bool) -> None:
         )
 
 
+def check_lora_targets(cfg: PipelineConfig) -> None:
+    """ConfigError naming update.lora.target_modules when a name matches no module of model.path's architecture,
+    read from its config alone (the model is built on the meta device). Checked for a local model.path only:
+    validation reads no object storage, and a hub or s3 model is checked by PEFT when the ranks load it."""
+    lora = cfg.update.lora
+    if lora is None or isinstance(lora.target_modules, str) or not Path(cfg.model.path).is_dir():
+        return
+    from batchrl.trainer.lora import model_module_names, unmatched_targets
+
+    unmatched = unmatched_targets(model_module_names(cfg.model.path), lora.target_modules)
+    if unmatched:
+        raise ConfigError(
+            f"update.lora.target_modules: {unmatched} match no module of {cfg.model.path} (PEFT matches a module "
+            "whose name is the given one or ends with '.' + it: q_proj, v_proj, ...); fix the names or use all-linear"
+        )
+
+
 def _launcher(cfg: PipelineConfig, *, embedded_ray: bool) -> str:
     """update.launcher, with auto resolved: ray when this process is connected to a Ray cluster (not the runner's
     embedded local Ray, where local processes are the same machine without the actor overhead), else local."""
@@ -300,6 +320,7 @@ def _run_on_ray(ctx: StageContext, state: RecordedState | None) -> StageOutput:
             policy_in=ctx.policy_in,
             reference_policy=ctx.cfg.model.path if u.kl_loss_coef > 0 else None,
             behaviour_policy=_behaviour_policy(ctx),
+            lora_base=ctx.cfg.model.path if u.lora is not None else None,
             advantages_files=_advantages_files(ctx),
             trainer_state_in=None if state is None else state.uri,
             trainer_state_sha256=None if state is None else state.sha256,
@@ -350,6 +371,7 @@ def _local_spec(ctx: StageContext, scratch: str, state: RecordedState | None):
         policy_in=local_copy(ctx.policy_in),
         reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
         behaviour_policy=None if behaviour is None else local_copy(behaviour),
+        lora_base=local_copy(ctx.cfg.model.path) if u.lora is not None else None,
         advantages_files=_advantages_files(ctx),
         trainer_state_in=None if state is None else local_trainer_state(state, scratch),
         trainer_state_sha256=None if state is None else state.sha256,
@@ -365,6 +387,7 @@ def _spec(
     policy_in: str,
     reference_policy: str | None,
     behaviour_policy: str | None = None,
+    lora_base: str | None = None,
     advantages_files: list[str],
     trainer_state_in: str | None,
     trainer_state_sha256: dict[str, str] | None,
@@ -391,6 +414,7 @@ def _spec(
         num_iterations=_schedule_iterations(cfg) or 1,
         reference_policy=reference_policy,
         behaviour_policy=behaviour_policy,
+        lora_base=lora_base,
         trainer_state_in=trainer_state_in,
         trainer_state_sha256=trainer_state_sha256,
         trainer_state_out=join(out_dir, TRAINER_STATE_DIR) if keeps_state else None,

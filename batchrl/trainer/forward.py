@@ -136,7 +136,8 @@ def model_inputs(model: torch.nn.Module, mb: MicroBatch) -> dict:
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes it on (update.lora)
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 def attention_implementation(model: torch.nn.Module) -> str:

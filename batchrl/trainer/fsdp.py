@@ -77,10 +77,12 @@ def shard_model(model: torch.nn.Module, *, ctx: Dist, compute_dtype: str, cpu_of
     if compute_dtype == "bfloat16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    # A PEFT model (update.lora) is sharded as its base is, with itself as the root: its forward runs the hooks.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", None), "layers", None)
     if layers is None:
         raise ValueError(
-            f"{type(model).__name__} has no model.layers; the FSDP2 trainer supports decoder-only HF models "
+            f"{type(base).__name__} has no model.layers; the FSDP2 trainer supports decoder-only HF models "
             "laid out like Llama/Qwen2 (model.model.layers[i])"
         )
     for layer in layers:

@@ -15,7 +15,8 @@ where one buffer over every response token of the table used to be all-reduced o
 ("rollout", with `update.old_logprobs: rollout` or truncated IS) come with the rows.
 
 The reference is loaded, sharded like the policy, used for this pass and freed before training; it is the policy
-itself when both name the same checkpoint (iteration 0).
+itself when both name the same checkpoint (iteration 0). With update.lora the reference is the base: the policy
+itself with its adapter disabled (`lora.AdapterDisabled`), never a second copy of the base weights.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from batchrl.trainer.data import Samples, collate_packs, scatter_response_values
 from batchrl.trainer.forward import micro_batch_plan, policy_logprobs
 from batchrl.trainer.fsdp import Dist, load_model, shard_model
 from batchrl.trainer.index import SampleIndex
+from batchrl.trainer.lora import AdapterDisabled
 from batchrl.trainer.rows import RowReader
 from batchrl.trainer.spec import UpdateSpec
 
@@ -214,8 +216,8 @@ def _pass_models(
 
     if recompute_old:  # the behaviour policy's (run.max_staleness > 0: an older checkpoint than policy_in)
         models["old"] = frozen(spec.behaviour_policy)
-    if spec.update.kl_loss_coef > 0:
-        models["ref"] = frozen(spec.reference_policy)
+    if spec.update.kl_loss_coef > 0:  # with update.lora the reference is the base: the policy, adapter disabled
+        models["ref"] = AdapterDisabled(policy) if spec.update.lora is not None else frozen(spec.reference_policy)
     return models, list(loaded.values()) or None
 
 

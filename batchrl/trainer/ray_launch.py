@@ -212,6 +212,7 @@ def stage_inputs(spec: UpdateSpec, scratch: Path) -> UpdateSpec:
         policy_in=local_copy(spec.policy_in),
         reference_policy=None if spec.reference_policy is None else local_copy(spec.reference_policy),
         behaviour_policy=None if spec.behaviour_policy is None else local_copy(spec.behaviour_policy),
+        lora_base=None if spec.lora_base is None else local_copy(spec.lora_base),
         trainer_state_in=trainer_state_in,
         policy_out=str(scratch / "policy"),
         metrics_path=str(scratch / "metrics.json"),

@@ -67,6 +67,8 @@ class UpdateSpec:
     critic: CriticConfig | None = None
     train_actor: bool = True  # False during critic.warmup_iterations: the policy is saved as it was loaded
     critic_head_seed: int = 0  # seeds a fresh value head (run.seed: the values stage draws the same one)
+    # update.lora: the frozen base under the adapter (model.path, local); the adapter continues from policy_in's
+    lora_base: str | None = None
 
     def __post_init__(self) -> None:
         # Checks of the fields the config does not have; UpdateConfig has validated its own.
@@ -81,6 +83,8 @@ class UpdateSpec:
             raise ValueError(
                 "update.kl_loss_coef > 0 needs UpdateSpec.reference_policy (the frozen reference checkpoint)"
             )
+        if self.update.lora is not None and not self.lora_base:
+            raise ValueError("update.lora needs UpdateSpec.lora_base (the base checkpoint, model.path)")
         if not self.train_actor and self.critic is None:
             raise ValueError("UpdateSpec.train_actor=False (a critic warm-up) needs a critic")
         if self.update.loss_agg_mode == "seq-mean-token-sum-norm" and self.update.loss_agg_norm_length is None:

@@ -50,7 +50,9 @@ SUM_NAMES = ("loss", "pg_loss", "kl_loss", "clipped_tokens", "ppo_kl", "entropy"
 
 
 def new_optimizer(model: torch.nn.Module, spec: UpdateSpec) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=spec.update.lr, weight_decay=spec.update.weight_decay)
+    # With update.lora the base is frozen: only the adapter's parameters are optimized (and saved in its state).
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    return torch.optim.AdamW(trainable, lr=spec.update.lr, weight_decay=spec.update.weight_decay)
 
 
 def pg_token_losses(

@@ -67,6 +67,7 @@ from batchrl.trainer.index import (
 )
 from batchrl.trainer.integrity import TrainerStateError, check_digests, write_error
 from batchrl.trainer.logprobs import UpdateInputs, pre_update_pass, recomputes_old, uses_rollout_logprobs
+from batchrl.trainer.lora import build_lora_model, save_lora_policy, set_adapter_dropout
 from batchrl.trainer.progress_file import ProgressWriter
 from batchrl.trainer.rows import RowReader
 from batchrl.trainer.spec import UpdateSpec
@@ -184,7 +185,15 @@ def build_trainer(spec: UpdateSpec, *, ctx: Dist) -> tuple[torch.nn.Module, torc
     """(model, optimizer, tokenizer, global step) from spec.policy_in and spec.trainer_state_in, on disk."""
     from transformers import AutoTokenizer
 
-    model = load_model(spec.policy_in, gradient_checkpointing=spec.update.gradient_checkpointing)
+    if spec.update.lora is not None:  # the base of model.path with the adapter of policy_in (see `lora`)
+        model = build_lora_model(
+            policy_in=spec.policy_in,
+            lora_base=spec.lora_base,
+            update=spec.update,
+            gradient_checkpointing=spec.update.gradient_checkpointing,
+        )
+    else:
+        model = load_model(spec.policy_in, gradient_checkpointing=spec.update.gradient_checkpointing)
     tokenizer = AutoTokenizer.from_pretrained(spec.policy_in)
     shard_model(model, ctx=ctx, compute_dtype=spec.dtype, cpu_offload=spec.update.cpu_offload)
     set_dropout_free_mode(model)
@@ -270,7 +279,10 @@ def update(
     save_start = time.perf_counter()
     if spec.trainer_state_out is not None and (spec.train_actor or has_actor_state(spec)):
         save_trainer_state(model, optimizer, out_dir=spec.trainer_state_out, global_step=global_step, rank=ctx.rank)
-    save_policy(model, tokenizer, policy_out=spec.policy_out, rank=ctx.rank)
+    if spec.update.lora is not None:
+        save_lora_policy(model, tokenizer, policy_out=spec.policy_out, lora_base=spec.lora_base, rank=ctx.rank)
+    else:
+        save_policy(model, tokenizer, policy_out=spec.policy_out, rank=ctx.rank)
     save_time = time.perf_counter() - save_start
     critic_metrics = {}
     if spec.critic is not None:
@@ -320,6 +332,7 @@ def actor_steps(
     """The actor's part of an update: the pre-update log-probs, spilled to this rank's scratch directory, then the
     optimizer steps over them. Returns (each step's metrics, the global step after the last, when the steps began)."""
     progress.write({"phase": "logprobs"})
+    set_adapter_dropout(model, active=False)  # update.lora.dropout: in the optimizer steps only
     with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{ctx.rank}-") as scratch:
         spilled = pre_update_pass(
             model,
@@ -332,6 +345,7 @@ def actor_steps(
             recompute_old=recompute_old,
         )
         train_start = time.perf_counter()
+        set_adapter_dropout(model, active=True)
         try:
             step_metrics, global_step = train(
                 model,
@@ -345,6 +359,7 @@ def actor_steps(
             )
         finally:
             spilled.close()
+            set_adapter_dropout(model, active=False)
     return step_metrics, global_step, train_start
 
 
