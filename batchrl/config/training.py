@@ -211,6 +211,15 @@ class UpdateConfig(_Strict):
         "step, shuffled each epoch (verl's ppo_mini_batch_size); None = the whole "
         "advantages table is one mini-batch.",
     )
+    mini_batch_grain: Literal["sample", "row_group"] = Field(
+        "sample",
+        description="How each epoch draws its mini-batches. sample: prompts drawn from the whole advantages table, "
+        "so every rank decodes nearly every row group of it for every mini-batch (the table is read ranks x "
+        "mini-batches times per pass). row_group: whole row groups (~64 rows of whole prompt groups) drawn at "
+        "random, each rank training on a contiguous run of them: a rank decodes about its 1/num_processes share "
+        "per pass. A mini-batch then holds runs of neighbouring prompts of the table instead of independent draws "
+        "(same sizes, steps and lr schedule); it changes the weights, and is in the fingerprint when set.",
+    )
     micro_batch_size: int = Field(
         4,
         ge=1,

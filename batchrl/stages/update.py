@@ -110,6 +110,8 @@ class UpdateStage(Stage):
             config["critic"] = critic_fingerprint(cfg)
         if cfg.run.max_staleness:  # the old log-probs come from an older (behaviour) policy
             config["max_staleness"] = cfg.run.max_staleness
+        if u.mini_batch_grain == "sample":  # in it only when set: the fingerprints from before it existed stay
+            config["update"].pop("mini_batch_grain")
         return config
 
     def run(self, ctx: StageContext) -> StageOutput:

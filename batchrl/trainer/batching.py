@@ -10,6 +10,19 @@ forward/backward is a collective) and the global token and sequence counts that 
   epoch shuffles the groups by a keyed hash of (seed, epoch, group) (`batchrl.algorithms.shuffle`: the same
   order under any numpy version, as the prompt batches), then cuts them into consecutive
   mini-batches of `groups_per_mini_batch`; the last one may be smaller. One optimizer step per mini-batch.
+- Row-group mini-batches (`block_mini_batches`, update.mini_batch_grain: row_group): the same cut, but the
+  shuffle moves whole row groups of the advantages table (a group goes with the row group of its first sample),
+  and each rank trains on a contiguous run of the mini-batch in storage order (`storage_ranks`), then plans its
+  own micro-batches. Why: ranks read rows a row group at a time, and a random mini-batch has samples in nearly
+  every row group, so with the default every rank decodes about the whole table for every mini-batch (world x
+  mini-batches decodes of the table per pass; over s3:// each crosses the network). Here a rank decodes about
+  its share (tests/unit/test_mini_batch_grain.py: at most 1.5x over an epoch in the grpo_math shape). The cost is
+  statistical: a mini-batch holds runs of ~12 neighbouring prompts of one scores shard (row groups of 60-64
+  rows) instead of independent draws, so prompts that sit together in the input (a source file sorted by topic)
+  share steps more often; every prompt is still in exactly one mini-batch per epoch, with the same number and
+  sizes of mini-batches and the same global token counts. Micro-batches are length-sorted within a rank's run
+  only (more padded micro-batches when a run is short), and ranks hold within (1 + 2 x RANK_SLACK) of their
+  share of tokens, plus one group. It changes which samples share a step, hence the weights: an option.
 - Packs (`prompt_packs`, with update.share_prompt): samples of one prompt that share one row, the prompt
   computed once; the micro-batch planner then places packs as it would place samples.
 - Micro-batches (`plan_micro_batches`): the samples of one mini-batch are sorted by length (longest first),
@@ -40,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 # The fixed cost of one more micro-batch (kernel launches, FSDP all-gathers), as a fraction of a full budget.
 MICRO_BATCH_OVERHEAD = 1 / 32
+# How far (a fraction of a rank's share of tokens) `storage_ranks` moves a cut to land on a row-group boundary.
+RANK_SLACK = 0.25
 
 
 def mini_batches(
@@ -62,6 +77,82 @@ def mini_batches(
         chosen = np.isin(group_of_sample_N, shuffled[start : start + groups_per_mini_batch])
         batches.append(np.flatnonzero(chosen))
     return batches
+
+
+def block_mini_batches(
+    group_N: Sequence[int],
+    row_group_N: Sequence[int],
+    *,
+    groups_per_mini_batch: int | None,
+    seed: int,
+    epoch: int,
+) -> list[np.ndarray]:
+    """`mini_batches` shuffled at ROW-GROUP grain (update.mini_batch_grain: row_group): sample indices of each
+    mini-batch of one epoch, a group never split, every group in exactly one mini-batch.
+
+    `group_N` is sorted (the index's order: a group's samples are consecutive) and `row_group_N[i]` is the
+    storage row group holding sample i (numbered in storage order). A group belongs to the row group of its first
+    sample (its block); the blocks are ordered by `keyed_order` of (seed, epoch), a block's groups stay in storage
+    order, and the sequence is cut every `groups_per_mini_batch` groups: the same number and sizes of mini-batches
+    as `mini_batches`, each made of a few whole blocks (and pieces of the two at its ends) instead of groups drawn
+    from every row group, so a mini-batch's rows lie in about groups_per_mini_batch / (groups per row group) row
+    groups and not in all of them.
+    """
+    group_N, row_group_N = np.asarray(group_N, dtype=np.int64), np.asarray(row_group_N, dtype=np.int64)
+    if groups_per_mini_batch is not None and groups_per_mini_batch < 1:
+        raise ValueError(f"groups_per_mini_batch={groups_per_mini_batch} must be >= 1 (or None for one mini-batch)")
+    starts = np.flatnonzero(np.diff(group_N, prepend=-1))  # first sample of each group
+    if groups_per_mini_batch is None or groups_per_mini_batch >= len(starts):
+        return [np.arange(len(group_N))]
+    block_G = row_group_N[starts]
+    blocks, block_of_G = np.unique(block_G, return_inverse=True)
+    place_B = np.empty(len(blocks), dtype=np.int64)
+    place_B[keyed_order(len(blocks), seed=seed, epoch=epoch)] = np.arange(len(blocks))
+    # a block's groups in storage order: by the row group of their first sample, then by that sample's index
+    order_G = np.lexsort((starts, place_B[block_of_G]))
+    ends = np.append(starts[1:], len(group_N))
+    batches = []
+    for first in range(0, len(order_G), groups_per_mini_batch):
+        chosen = np.sort(order_G[first : first + groups_per_mini_batch])
+        batches.append(np.concatenate([np.arange(starts[g], ends[g]) for g in chosen]))
+    return batches
+
+
+def storage_ranks(
+    indices: Sequence[int],
+    *,
+    storage_row_N: Sequence[int],
+    row_group_N: Sequence[int],
+    group_N: Sequence[int],
+    tokens_N: Sequence[int],
+    world_size: int,
+    slack: float = RANK_SLACK,
+) -> list[np.ndarray]:
+    """`indices` shared out among `world_size` ranks in contiguous runs of storage rows (whole groups), each rank's
+    run holding about 1/world of the tokens: ranks[r] = rank r's samples, sorted.
+
+    Why contiguous: a rank decodes every row group its samples touch, so a run of the mini-batch in storage order
+    costs it its share plus at most the row groups at the run's two ends. A cut goes to the group boundary nearest
+    the balanced one, or to a ROW-GROUP boundary instead when one lies within `slack` x a rank's share of tokens
+    of it (then no row group is decoded by two ranks): a rank holds at most (1 + 2 x slack) x its share of tokens,
+    plus one group.
+    """
+    indices = np.asarray(indices, dtype=np.int64)
+    order = indices[np.argsort(np.asarray(storage_row_N)[indices], kind="stable")]
+    tokens = np.asarray(tokens_N, dtype=np.int64)[order]
+    group, row_group = np.asarray(group_N)[order], np.asarray(row_group_N)[order]
+    cuts = np.flatnonzero(np.diff(group, prepend=-1))  # where a group starts: the allowed cuts
+    before = np.concatenate([[0], np.cumsum(tokens)])[cuts]  # tokens before each allowed cut
+    new_row_group = np.diff(row_group, prepend=-1)[cuts] != 0
+    share = before[-1] / world_size if len(cuts) else 0.0
+    bounds = [0]
+    for rank in range(1, world_size):
+        distance = np.abs(before - rank * share)
+        snapped = np.flatnonzero(new_row_group & (distance <= slack * share))
+        pick = snapped[np.argmin(distance[snapped])] if snapped.size else int(np.argmin(distance)) if len(cuts) else 0
+        bounds.append(max(bounds[-1], int(cuts[pick]) if len(cuts) else 0))
+    bounds.append(len(order))
+    return [np.sort(order[bounds[r] : bounds[r + 1]]) for r in range(world_size)]
 
 
 def prompt_packs(

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from batchrl.algorithms.gae import clipped_value_losses
 from batchrl.algorithms.losses import aggregate_token_losses
-from batchrl.trainer.batching import mini_batches
 from batchrl.trainer.data import MicroBatch, Samples, collate_packs, response_logits
 from batchrl.trainer.forward import flat_response_values, model_inputs, pack_plan
 from batchrl.trainer.fsdp import Dist
@@ -124,11 +123,10 @@ def train_critic(model, optimizer, index, reader, *, spec, ctx: Dist, pad_token_
     returns (each step's metrics, the critic's global step after the last)."""
     critic = spec.critic
     step, step_metrics = start_step, []
+    from batchrl.trainer.logprobs import epoch_mini_batches
+
     for epoch in range(critic.ppo_epochs):
-        batches = mini_batches(
-            index.group_N, epoch=epoch, groups_per_mini_batch=spec.update.ppo_mini_batch_size, seed=spec.seed
-        )
-        for indices in batches:
+        for indices in epoch_mini_batches(index, spec, epoch=epoch):
             metrics = _critic_step(
                 model, optimizer, index, reader, indices, spec=spec, ctx=ctx, pad_token_id=pad_token_id
             )
@@ -139,7 +137,7 @@ def train_critic(model, optimizer, index, reader, *, spec, ctx: Dist, pad_token_
 
 
 def _critic_step(model, optimizer, index, reader, indices, *, spec, ctx: Dist, pad_token_id: int):
-    from batchrl.trainer.logprobs import own_share
+    from batchrl.trainer.logprobs import own_share, rank_plan
     from batchrl.trainer.training import clipped_step
 
     critic = spec.critic
@@ -150,7 +148,11 @@ def _critic_step(model, optimizer, index, reader, indices, *, spec, ctx: Dist, p
     max_tokens = critic.max_tokens_per_micro_batch
     share_prompt = spec.update.share_prompt and max_tokens is not None
     budget = {"max_tokens": max_tokens} if max_tokens is not None else {"max_samples": critic.micro_batch_size}
-    plan = pack_plan(index, indices, share_prompt=share_prompt, world_size=ctx.world_size, **budget)
+
+    def planner(samples, ranks):
+        return pack_plan(index, samples, share_prompt=share_prompt, world_size=ranks, **budget)
+
+    plan = rank_plan(index, indices, planner, spec=spec, world_size=ctx.world_size)
     mine, packs_plan = own_share(plan[ctx.rank])
     rows = reader.read(mine)
     token_values = {name: rows.flat_token_list(name) for name in VALUE_COLUMNS}

@@ -110,6 +110,30 @@ class SampleIndex:
         """Whether some sample has a response_mask (multi-turn): the rows must then be read with their masks."""
         return self.tool_tokens_N is not None
 
+    @cached_property
+    def row_group_starts(self) -> list[np.ndarray]:
+        """Per part, the first row of each of its row groups and then its row count (from the footers)."""
+        return [
+            np.cumsum([0] + [footer.row_group(g).num_rows for g in range(footer.num_row_groups)], dtype=np.int64)
+            for footer in self.footers
+        ]
+
+    @cached_property
+    def storage_row_N(self) -> np.ndarray:
+        """Each sample's row in the parts laid end to end, in the order of `files` (storage order)."""
+        part_offsets = np.cumsum([0] + [int(starts[-1]) for starts in self.row_group_starts], dtype=np.int64)
+        return part_offsets[self.part_N] + self.row_N
+
+    @cached_property
+    def row_group_N(self) -> np.ndarray:
+        """The row group holding each sample, numbered over all parts in storage order: what a read decodes."""
+        first_group = np.cumsum([0] + [len(starts) - 1 for starts in self.row_group_starts], dtype=np.int64)
+        row_group_N = np.zeros(self.num_samples, dtype=np.int64)
+        for part, starts in enumerate(self.row_group_starts):
+            here = self.part_N == part
+            row_group_N[here] = first_group[part] + np.searchsorted(starts, self.row_N[here], side="right") - 1
+        return row_group_N
+
     def rows_of_part(self, part: int) -> np.ndarray:
         """Positions in the index of part `part`'s samples, in the part's row order."""
         order, starts = self._by_part

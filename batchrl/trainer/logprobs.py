@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from batchrl.trainer.batching import mini_batches
+from batchrl.trainer.batching import block_mini_batches, mini_batches, storage_ranks
 from batchrl.trainer.checkpoint import LogprobsWriter
 from batchrl.trainer.data import Samples, collate_packs, scatter_response_values
 from batchrl.trainer.forward import micro_batch_plan, policy_logprobs
@@ -64,6 +65,36 @@ def old_logprobs_used(rows: Samples, values: dict[str, np.ndarray], spec: Update
 def mini_batch_options(spec: UpdateSpec) -> dict:
     """`batching.mini_batches`' options for this update (the shuffles derive from the spec's seed)."""
     return dict(groups_per_mini_batch=spec.update.ppo_mini_batch_size, seed=spec.seed)
+
+
+def epoch_mini_batches(index: SampleIndex, spec: UpdateSpec, *, epoch: int) -> list[np.ndarray]:
+    """Epoch `epoch`'s mini-batches (sample indices) drawn as update.mini_batch_grain says (see `batching`)."""
+    if spec.update.mini_batch_grain == "row_group":
+        return block_mini_batches(index.group_N, index.row_group_N, epoch=epoch, **mini_batch_options(spec))
+    return mini_batches(index.group_N, epoch=epoch, **mini_batch_options(spec))
+
+
+def rank_plan(
+    index: SampleIndex, indices: np.ndarray, planner: Callable, *, spec: UpdateSpec, world_size: int
+) -> list[list[list[list[int]]]]:
+    """plan[rank][k] = the packs of rank's k-th micro-batch of the mini-batch `indices`; `planner(indices,
+    world_size)` plans micro-batches (`forward.pack_plan` with a budget). With mini_batch_grain sample it plans the
+    whole mini-batch over the ranks (samples of similar length together, whatever rank they land on); with
+    row_group each rank first takes a contiguous run of the table (`batching.storage_ranks`: it then decodes
+    about its share of row groups) and plans its own micro-batches, padded with empty ones to the longest plan."""
+    if spec.update.mini_batch_grain != "row_group" or world_size == 1:
+        return planner(indices, world_size)
+    ranks = storage_ranks(
+        indices,
+        storage_row_N=index.storage_row_N,
+        row_group_N=index.row_group_N,
+        group_N=index.group_N,
+        tokens_N=index.lengths_N,
+        world_size=world_size,
+    )
+    plans = [planner(samples, 1)[0] if len(samples) else [] for samples in ranks]
+    count = max(1, max(len(plan) for plan in plans))
+    return [plan + [[] for _ in range(count - len(plan))] for plan in plans]
 
 
 def own_share(rank_plan: list[list[list[int]]]) -> tuple[np.ndarray, list[list[list[int]]]]:
@@ -171,10 +202,8 @@ def pre_update_pass(
     writer = LogprobsWriter(spec.logprobs_dir, rank=ctx.rank) if spec.logprobs_dir is not None else None
     try:
         if models or writer is not None:
-            for chunk in mini_batches(index.group_N, epoch=0, **mini_batch_options(spec)):
-                mine, packs_plan = own_share(
-                    micro_batch_plan(index, chunk, spec=spec, world_size=ctx.world_size)[ctx.rank]
-                )
+            for chunk in epoch_mini_batches(index, spec, epoch=0):
+                mine, packs_plan = own_share(update_plan(index, chunk, spec=spec, world_size=ctx.world_size)[ctx.rank])
                 rows = reader.read(mine)
                 values = logprob_pass(models, rows, packs_plan, ctx=ctx, pad_token_id=pad_token_id)
                 spilled.append(mine, values)
@@ -242,7 +271,7 @@ class UpdateInputs:
 
     def share(self, indices: np.ndarray, *, ctx: Dist) -> RankShare:
         """This rank's share of the mini-batch `indices` (sorted). A collective (`SpilledValues.for_mini_batch`)."""
-        plan = micro_batch_plan(self.index, indices, spec=self.spec, world_size=ctx.world_size)
+        plan = update_plan(self.index, indices, spec=self.spec, world_size=ctx.world_size)
         mine, packs_plan = own_share(plan[ctx.rank])
         shared = self.spilled.for_mini_batch(indices, ctx=ctx)
         offsets = np.concatenate([[0], np.cumsum(self.index.response_lengths_N[indices])]).astype(np.int64)
@@ -256,6 +285,16 @@ class UpdateInputs:
         if self.spec.update.old_logprobs == "rollout":  # (UpdateConfig rejects rollout_is_cap with rollout old)
             token_values["old"] = token_values.pop("rollout")
         return RankShare(rows=rows, packs_plan=packs_plan, token_values=token_values)
+
+
+def update_plan(index: SampleIndex, indices: np.ndarray, *, spec: UpdateSpec, world_size: int):
+    """The policy's micro-batch plan of a mini-batch (`rank_plan` with update's budget): the pre-update pass and
+    the optimizer step plan alike, so a rank computes the old log-probs of the samples it trains on in epoch 0."""
+
+    def planner(samples: np.ndarray, ranks: int):
+        return micro_batch_plan(index, samples, spec=spec, world_size=ranks)
+
+    return rank_plan(index, indices, planner, spec=spec, world_size=world_size)
 
 
 def same_checkpoint(a: str | None, b: str | None) -> bool:

@@ -15,8 +15,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import torch
+import torch.distributed as dist
 
 from batchrl.trainer.data import Samples
+from batchrl.trainer.fsdp import Dist
 from batchrl.trainer.index import MASK_COLUMN, SampleIndex, open_parquet
 
 LIST_COLUMNS = ("prompt_token_ids", "response_token_ids")
@@ -31,11 +34,10 @@ class RowReader:
         self.columns = LIST_COLUMNS + (("response_logprobs",) if with_rollout_logprobs else ()) + self.token_columns
         if index.has_masks:  # multi-turn rows: which response tokens the policy wrote (the loss skips the others)
             self.columns += (MASK_COLUMN,)
-        # first row of each row group, per part (from the footers the index read)
-        self._group_starts = [
-            np.cumsum([0] + [footer.row_group(g).num_rows for g in range(footer.num_row_groups)])
-            for footer in index.footers
-        ]
+        self._group_starts = index.row_group_starts  # first row of each row group, per part
+        # what it decoded so far: the rows of the row groups it read (all the columns of one count once), and the
+        # bytes of the column chunks in memory: the I/O of a rank, whatever the planning (`read_over_share`)
+        self.rows_decoded, self.bytes_decoded = 0, 0
 
     def read(self, indices: Sequence[int]) -> Samples:
         """The samples `indices` (positions in the index) as Samples, in that order."""
@@ -70,13 +72,27 @@ class RowReader:
         out: dict[str, list[np.ndarray]] = {column: [None] * len(rows_R) for column in self.columns}
         with open_parquet(self.index.files[part], metadata=self.index.footers[part]) as parquet:
             for group in np.unique(group_R):
+                self.rows_decoded += int(starts[group + 1] - starts[group])
                 chosen = np.flatnonzero(group_R == group)
                 take = pa.array(rows_R[chosen] - starts[group])
                 for column in self.columns:  # one column chunk in memory at a time
-                    values = parquet.read_row_group(int(group), columns=[column]).column(0).take(take)
+                    values = parquet.read_row_group(int(group), columns=[column]).column(0)
+                    self.bytes_decoded += values.nbytes
+                    values = values.take(take)
                     for r, value in zip(chosen, split_lists(values)):
                         out[column][r] = value
         return out
+
+
+def read_over_share(reader: RowReader, *, ctx: Dist) -> float:
+    """The most rows any rank decoded (`RowReader.rows_decoded`) over a rank's share of the table (its rows /
+    world): how many times the busiest rank read its share. Every pass over the table (the pre-update log-probs,
+    each epoch, the critic's epochs) reads it at least once; update.mini_batch_grain sample reads about world x
+    mini-batches per pass, row_group about 1. A collective."""
+    decoded = torch.tensor([float(reader.rows_decoded)], dtype=torch.float64, device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(decoded, op=dist.ReduceOp.MAX)
+    return float(decoded.item()) * ctx.world_size / max(reader.index.num_samples, 1)
 
 
 def split_lists(values: pa.ChunkedArray) -> list[np.ndarray]:

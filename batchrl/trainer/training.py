@@ -34,11 +34,10 @@ from batchrl.algorithms.losses import (
     ppo_clip_token_losses,
     truncated_is_weights,
 )
-from batchrl.trainer.batching import mini_batches
 from batchrl.trainer.data import MicroBatch, collate_packs
 from batchrl.trainer.forward import policy_logprobs
 from batchrl.trainer.fsdp import Dist
-from batchrl.trainer.logprobs import UpdateInputs, mini_batch_options
+from batchrl.trainer.logprobs import UpdateInputs, epoch_mini_batches
 from batchrl.trainer.progress_file import ProgressWriter
 from batchrl.trainer.schedule import lr_at_step, resolve_warmup_steps
 from batchrl.trainer.spec import UpdateSpec
@@ -236,13 +235,12 @@ def train(
     `progress` gets one record per mini-batch (done / planned steps and the step's pg_loss, grad_norm, lr).
     """
     progress = progress or ProgressWriter(None)
-    batches, group_N = mini_batch_options(spec), inputs.index.group_N
-    steps_per_update = spec.update.ppo_epochs * len(mini_batches(group_N, epoch=0, **batches))
+    steps_per_update = spec.update.ppo_epochs * len(epoch_mini_batches(inputs.index, spec, epoch=0))
     schedule = lr_schedule_for(spec, steps_per_update=steps_per_update)
     step, step_metrics, done = start_step, [], 0
     progress.write({"phase": "train", "done": 0, "total": steps_per_update})
     for epoch in range(spec.update.ppo_epochs):
-        for indices in mini_batches(group_N, epoch=epoch, **batches):
+        for indices in epoch_mini_batches(inputs.index, spec, epoch=epoch):
             lr, started = lr_at_step(step, **schedule), time.perf_counter()
             metrics = optimizer_step(
                 model, optimizer, inputs, indices, spec=spec, ctx=ctx, pad_token_id=pad_token_id, lr=lr

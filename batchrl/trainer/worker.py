@@ -69,7 +69,7 @@ from batchrl.trainer.integrity import TrainerStateError, check_digests, write_er
 from batchrl.trainer.logprobs import UpdateInputs, pre_update_pass, recomputes_old, uses_rollout_logprobs
 from batchrl.trainer.lora import build_lora_model, save_lora_policy, set_adapter_dropout
 from batchrl.trainer.progress_file import ProgressWriter
-from batchrl.trainer.rows import RowReader
+from batchrl.trainer.rows import RowReader, read_over_share
 from batchrl.trainer.spec import UpdateSpec
 from batchrl.trainer.training import new_optimizer, summarize, train
 
@@ -312,7 +312,10 @@ def update(
         "perf/save_time_s": save_time,
     }
     metrics = update_metrics(step_metrics, spec=spec, index=index, global_step=global_step, timings=timings)
-    metrics |= critic_metrics | {"actor/trainer_reused": float(reused)}
+    metrics |= critic_metrics | {
+        "actor/trainer_reused": float(reused),
+        "perf/read_over_share": read_over_share(reader, ctx=ctx),
+    }
     return (metrics if ctx.rank == 0 else None), kept
 
 
