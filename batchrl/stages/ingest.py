@@ -14,7 +14,12 @@ were ~41 GB in one process, and a crash restarted from zero. Now:
    part. Only counts
    and part infos come back; the driver journals each finished chunk (``prompts/_journal/``). A single chunk (or
    all of them holding no more than ``data.shard_size`` rows) on the embedded Ray is processed in the driver: an
-   actor pool would only add its start-up, as for sharded stages (``runs_in_driver``).
+   actor pool would only add its start-up, as for sharded stages (``runs_in_driver``). A streamed chunk (a gzipped
+   JSONL file, a Parquet row group over SPLIT_ROWS rows: ``Chunk.streamed``) is read by a Ray generator task that
+   decompresses or decodes it once, front to back, putting windows of records into Ray's object store (at most
+   ``READ_AHEAD_WINDOWS`` ahead of the workers); the pool's actors tokenize the windows as they come, and the chunk
+   is journalled once all its windows are written. The driver holds the windows' refs, never their records; only
+   a small gzipped file (``GZ_IN_DRIVER_BYTES``) is streamed by the driver itself.
 3. Duplicate prompt ids are found over the written parts by a hash-partitioned pass (ingest_duplicates); the
    chunks holding later occurrences are rewritten without them, and the rejects recorded.
 4. ``data.max_prompts`` keeps its meaning, the first N valid prompts in input order: chunks are run in input order,
@@ -37,8 +42,9 @@ inputs, so a resumed ingest writes the same parts, byte for byte, as an uninterr
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from batchrl.agents.prompt_tools import tool_schema_fingerprint
@@ -51,9 +57,9 @@ from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, 
 from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_duplicates import later_occurrences, map_groups
 from batchrl.stages.ingest_rows import check_columns, files_by_source, rewards_need_data_source
-from batchrl.stages.ingest_worker import IngestWorker
+from batchrl.stages.ingest_worker import IngestWorker, merge_windows, stream_windows
 from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve
-from batchrl.storage.inputs import Chunk, InputFile, describe_inputs, plan_chunks
+from batchrl.storage.inputs import SPLIT_ROWS, Chunk, InputFile, describe_inputs, plan_chunks
 from batchrl.storage.journal import Journal, record, record_parts
 from batchrl.storage.manifest import PartInfo, file_sizes
 from batchrl.storage.sources import check_checkpoint_source
@@ -68,6 +74,10 @@ REJECTS_DIR = "_rejects/"
 # would pay once per 100 rows.
 MIN_CHUNK_ROWS = 1024
 REWRITES_IN_DRIVER = 8  # chunks with duplicates the driver rewrites itself (more: on the actor pool)
+# A gzipped file up to this size (~10 MB of text) is streamed by the driver itself on the embedded Ray; a bigger
+# one, whose rows cannot be counted without reading it, by a reader task and the actor pool.
+GZ_IN_DRIVER_BYTES = 1 << 20
+READ_AHEAD_WINDOWS = 4  # windows a streamed chunk's reader puts in the object store before the workers take them
 
 
 @register
@@ -146,7 +156,7 @@ def ingest_prompt_files(ctx: StageContext, *, field: str) -> StageOutput:
             logger.warning("ingest: %s has no rows", file.uri)
     rows_per_chunk = max(cfg.data.shard_size, MIN_CHUNK_ROWS)
     chunks = plan_chunks(files, rows_per_chunk=rows_per_chunk, rows_per_part=cfg.data.shard_size)
-    ingest = ChunkedIngest(ctx, chunks)
+    ingest = ChunkedIngest(ctx, chunks, sizes={f.uri: f.size for f in files})
     window = ingest.run()
     output = ingest.output(window)
     if not output.counts["prompts"]:
@@ -183,8 +193,12 @@ class ChunkedIngest:
     """The driver's side of one ingest: the chunk plan, the journal's records of finished chunks, and the jobs it
     hands to the workers (or runs itself, for a small input on the embedded Ray)."""
 
-    def __init__(self, ctx: StageContext, chunks: list[Chunk]):
+    def __init__(self, ctx: StageContext, chunks: list[Chunk], *, sizes: dict[str, int] | None = None):
         self.ctx, self.cfg, self.chunks = ctx, ctx.cfg, chunks
+        self.sizes = sizes or {}  # input URI -> bytes: whether a gzipped file is small enough for the driver
+        # a streamed chunk's windows: whole parts of data.shard_size rows, as a chunk's are
+        shard = self.cfg.data.shard_size
+        self.window_rows = shard * -(-MIN_CHUNK_ROWS // shard)
         self.by_key = {chunk.key: chunk for chunk in chunks}
         self.journal = Journal(ctx.output_dir)
         self.records = self._finished()
@@ -240,10 +254,63 @@ class ChunkedIngest:
 
     def _run_chunks(self, window: list[Chunk]) -> None:
         todo = [chunk for chunk in window if chunk.key not in self.records]
-        jobs = [{"kind": "chunk", "chunk": chunk.to_json()} for chunk in todo]
-        rows = None if any(c.max_rows is None for c in todo) else sum(c.max_rows for c in todo)
-        for result in self._execute(jobs, in_driver=self._in_driver(len(todo), rows), what="input chunks"):
-            self._record(result)
+        bounds = [self._max_rows(chunk) for chunk in todo]
+        in_driver = self._in_driver(len(todo), None if None in bounds else sum(bounds))
+        streamed = [chunk for chunk in todo if chunk.streamed and not in_driver]
+        jobs: Iterable[dict[str, Any]] = [
+            {
+                "kind": "chunk",
+                "chunk": chunk.to_json(),
+                "window_rows": self.window_rows,
+            }
+            for chunk in todo
+            if not (chunk.streamed and not in_driver)
+        ]
+        num_windows: dict[str, int] = {}  # a streamed chunk's key -> its windows, once its reader is done
+        if streamed:
+            jobs = itertools.chain(jobs, self._window_jobs(streamed, num_windows))
+        windows: dict[str, dict[int, dict[str, Any]]] = {}
+        # a streamed chunk's windows can keep every actor busy
+        pool_jobs = len(todo) + len(streamed) * (self.cfg.data.num_actors or 1 << 20)
+        for result in self._execute(jobs, in_driver=in_driver, what="input chunks", num_jobs=(len(todo), pool_jobs)):
+            if "window" in result:
+                windows.setdefault(result["key"], {})[result["window"]] = result
+            else:
+                self._record(result)
+        for chunk in streamed:
+            done = windows.get(chunk.key, {})
+            self._record(merge_windows(chunk, [done[w] for w in range(num_windows[chunk.key])]))
+
+    def _window_jobs(self, chunks: list[Chunk], num_windows: dict[str, int]) -> Iterator[dict[str, Any]]:
+        """The window jobs of streamed chunks, each window's job made as its reader task puts it in the object store
+        (the pool asks for the next job when an actor has room, so readers stay at most READ_AHEAD_WINDOWS ahead).
+        The chunks are read one after another: decompressing or decoding is far faster than tokenizing."""
+        import ray
+
+        reader = ray.remote(stream_windows).options(
+            num_cpus=0,  # the pool's actors may hold every CPU: a reader waiting for one would wait for ever
+            num_returns="streaming",
+            _generator_backpressure_num_objects=READ_AHEAD_WINDOWS,
+        )
+        for chunk in chunks:
+            count = 0
+            for ref in reader.remote(chunk.to_json(), self.window_rows):
+                yield {
+                    "kind": "window",
+                    "chunk": chunk.to_json(),
+                    "window": count,
+                    "records": [ref],  # nested: the actor gets the ref, and the records from the object store
+                }
+                count += 1
+            num_windows[chunk.key] = count
+
+    def _max_rows(self, chunk: Chunk) -> int | None:
+        """At most how many rows the chunk holds; None when not bounded by the plan (a streamed chunk), or (a small
+        gzipped file, streamed by the driver if it is alone) SPLIT_ROWS."""
+        if not chunk.streamed:
+            return chunk.max_rows
+        small_gz = chunk.jsonl and self.sizes.get(chunk.uri, GZ_IN_DRIVER_BYTES + 1) <= GZ_IN_DRIVER_BYTES
+        return SPLIT_ROWS if small_gz else None
 
     def _record(self, result: dict[str, Any]) -> None:
         if "error" in result:
@@ -260,7 +327,8 @@ class ChunkedIngest:
         rows = sum(part.rows for _, part in parts)
         uris = [join(self.ctx.output_dir, part.name) for _, part in parts]
         workers = None
-        if not self._in_driver(len(window), rows):
+        # a single chunk's ids are grouped in the driver only if few (a streamed chunk may hold millions)
+        if not self._in_driver(len(window), rows) or rows > max(SPLIT_ROWS, self.cfg.data.shard_size):
             pool = self._pool(len(map_groups([part.rows for _, part in parts])))
             workers = pool.actors if pool is not None else None
         found = later_occurrences(uris, rows=[part.rows for _, part in parts], workers=workers)
@@ -309,25 +377,31 @@ class ChunkedIngest:
         return [p for p in record_parts(self.records[chunk.key]) if not p.name.startswith(REJECTS_DIR)]
 
     def _in_driver(self, num_chunks: int, rows: int | None) -> bool:
-        """A single chunk, or chunks of at most data.shard_size rows in all, on the embedded Ray: no actor pool."""
-        small = num_chunks <= 1 or (rows is not None and rows <= self.cfg.data.shard_size)
+        """On the embedded Ray, chunks of at most data.shard_size rows in all, or a single chunk of bounded rows
+        (None: not bounded, as a big gzipped file's or row group's): no actor pool."""
+        small = rows is not None and (num_chunks <= 1 or rows <= self.cfg.data.shard_size)
         return self.ctx.embedded_ray and small
 
-    def _execute(self, jobs: list[dict[str, Any]], *, in_driver: bool, what: str) -> Iterator[dict[str, Any]]:
-        """The workers' results of ``jobs``, as they finish (any order)."""
-        if not jobs:
+    def _execute(
+        self, jobs: Iterable[dict[str, Any]], *, in_driver: bool, what: str, num_jobs: tuple[int, int] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The workers' results of ``jobs``, as they finish (any order). ``num_jobs``: (the bar's total, the jobs
+        the pool is sized for), default len(jobs) both (a streamed chunk's windows are counted apart)."""
+        total, pool_jobs = num_jobs or (len(jobs), len(jobs))
+        if not total:
             return
-        pool = None if in_driver else self._pool(len(jobs))
+        pool = None if in_driver else self._pool(pool_jobs)
         if pool is None:
             if self.driver_worker is None:
                 self.driver_worker = IngestWorker(cfg=self.cfg, output_dir=self.ctx.output_dir)
             for job in jobs:
                 yield self.driver_worker.run_job(job)
             return
-        with progress(len(jobs), f"ingest: {what}", enabled=self.cfg.tracking.progress_bars) as bar:
+        with progress(total, f"ingest: {what}", enabled=self.cfg.tracking.progress_bars) as bar:
             for result in pool.map(jobs):
                 yield result
-                bar.advance()
+                if "window" not in result:  # a streamed chunk's windows: one unit, advanced by none of them
+                    bar.advance()
 
     def _pool(self, num_jobs: int) -> IngestPool | None:
         """The actor pool, started for a pass of ``num_jobs`` jobs if none runs yet; None when no CPU is free

@@ -8,12 +8,19 @@ A chunk's valid rows go into parts of ``data.shard_size`` rows in input order (t
 the indices the plan reserved for the chunk (``Chunk.part_names``); its rejects, in input order, into
 ``_rejects/<its first part name>`` (no file when it has none). Both are functions of the chunk's input alone, so a
 redone chunk rewrites the same files with the same bytes.
+
+A streamed chunk (a gzipped JSONL file, a big Parquet row group: ``Chunk.streamed``) is read in windows of
+``window_rows`` records, each processed as a chunk of its own would be (``ingest_window``) into the parts and
+rejects part named for that window (``Chunk.window_part_names``); its result is the windows' results merged
+(``merge_windows``). The windows come either from ``read_windows`` here (one worker, front to back) or from
+``stream_windows`` run as a Ray task that decompresses or decodes while the pool's actors tokenize.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -37,7 +44,7 @@ from batchrl.stages.ingest_rows import (
     validate,
 )
 from batchrl.storage import join, read_parquet, write_parquet_atomic
-from batchrl.storage.inputs import Chunk, read_chunk
+from batchrl.storage.inputs import Chunk, read_chunk, read_windows
 from batchrl.storage.manifest import PartInfo
 from batchrl.storage.schemas import absent_as_null, load_schema
 
@@ -61,11 +68,37 @@ class IngestWorker(DuplicatesWorker):
         try:
             if job["kind"] == "chunk":
                 return ingest_chunk(
-                    chunk, self.tokenizer(), cfg=self.cfg, output_dir=self.output_dir, labels=self.labels
+                    chunk,
+                    self.tokenizer(),
+                    cfg=self.cfg,
+                    output_dir=self.output_dir,
+                    labels=self.labels,
+                    window_rows=job["window_rows"],
                 )
+            if job["kind"] == "window":
+                return self._window(job, chunk)
             return rewrite_chunk(job, chunk, self.tokenizer, cfg=self.cfg, output_dir=self.output_dir)
         except DataError as err:
             return {"error": str(err)}
+
+    def _window(self, job: dict[str, Any], chunk: Chunk) -> dict[str, Any]:
+        """One window of a streamed chunk, its records in Ray's object store (``job["records"]``: [its ref], a ref
+        nested in a list: Ray hands it over unresolved, so the driver never holds the records)."""
+        import ray
+
+        records = ray.get(job["records"][0])
+        if isinstance(records, str):  # the reader's DataError
+            return {"error": records}
+        result = ingest_window(
+            chunk,
+            job["window"],
+            records,
+            self.tokenizer(),
+            cfg=self.cfg,
+            output_dir=self.output_dir,
+            labels=self.labels,
+        )
+        return result | {"window": job["window"]}
 
     def tokenizer(self):
         """The tokenizer, loaded on first use (a rewrite needs it only to recount truncated prompts)."""
@@ -88,12 +121,49 @@ def chat_template_problem(cfg: PipelineConfig, tokenizer) -> str | None:
     return None
 
 
-def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: str, labels: LabelRule) -> dict[str, Any]:
+def ingest_chunk(
+    chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: str, labels: LabelRule, window_rows: int
+) -> dict[str, Any]:
     """Reads, validates, templates and tokenizes one chunk, writes its parts and rejects; returns what the journal
-    records of it (parts, counts, rows read)."""
+    records of it (parts, counts, rows read). A streamed chunk is read and processed a window at a time."""
+    if not chunk.streamed:
+        records = read_chunk(chunk, columns=INPUT_COLUMNS)
+        return ingest_window(chunk, 0, records, tokenizer, cfg=cfg, output_dir=output_dir, labels=labels)
+    windows = read_windows(chunk, columns=INPUT_COLUMNS, window_rows=window_rows)
+    results = [
+        ingest_window(chunk, w, records, tokenizer, cfg=cfg, output_dir=output_dir, labels=labels)
+        for w, records in enumerate(windows)
+    ]
+    return merge_windows(chunk, results)
+
+
+def stream_windows(chunk_json: str, window_rows: int) -> Iterator[list[tuple[int, Any]] | str]:
+    """The windows of a streamed chunk, read front to back (run as a Ray generator task: each window goes to Ray's
+    object store as it is read); a read error is yielded as its message, for the worker that takes it to return."""
+    try:
+        yield from read_windows(Chunk.from_json(chunk_json), columns=INPUT_COLUMNS, window_rows=window_rows)
+    except DataError as err:
+        yield str(err)
+
+
+def merge_windows(chunk: Chunk, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result of a streamed chunk from those of its windows, in window order: parts concatenated, counts summed."""
+    parts, counts, read = [], {"prompts": 0, "truncated_prompts": 0, "rejected": 0}, 0
+    for result in results:
+        parts += result["parts"]
+        read += result["read"]
+        for key, value in result["counts"].items():
+            counts[key] = counts.get(key, 0) + value
+    return {"key": chunk.key, "parts": parts, "counts": counts, "read": read}
+
+
+def ingest_window(
+    chunk: Chunk, window: int, records: list, tokenizer, *, cfg: PipelineConfig, output_dir: str, labels: LabelRule
+) -> dict[str, Any]:
+    """``records`` ((row number, record or why not), as read_chunk gives them) of ``chunk``'s ``window``-th window
+    (0 for a chunk read whole) validated, templated and tokenized into its parts and its rejects part."""
     data = cfg.data
     rows, rejects = [], []
-    records = read_chunk(chunk, columns=INPUT_COLUMNS)
     for row_number, raw in records:
         if isinstance(raw, str):  # a JSONL line that is not a JSON object
             rejects.append(Reject(chunk.uri, row_number, None, "bad_json", raw))
@@ -118,10 +188,10 @@ def ingest_chunk(chunk: Chunk, tokenizer, *, cfg: PipelineConfig, output_dir: st
         prompt_table(kept[start : start + data.shard_size], source=source)
         for start in range(0, len(kept), data.shard_size)
     ]
-    names = chunk.part_names(len(tables))
+    names = chunk.window_part_names(window, len(tables))
     parts = write_parts([f"{source}/{n}" for n in names] if source else names, tables, output_dir=output_dir)
     rejects.sort(key=lambda r: r.source_row)
-    reject_part = write_rejects(chunk, [asdict(r) for r in rejects], output_dir=output_dir)
+    reject_part = write_rejects(chunk.window_rejects_name(window), [asdict(r) for r in rejects], output_dir=output_dir)
     counts = chunk_counts(tables, rejects=rejects, truncated=sum(r.get("truncated", False) for r in kept))
     return {"key": chunk.key, "parts": [asdict(p) for p in parts + reject_part], "counts": counts, "read": len(records)}
 
@@ -144,13 +214,13 @@ def write_parts(names: list[str], tables: list[pa.Table], *, output_dir: str) ->
     return parts
 
 
-def write_rejects(chunk: Chunk, rejects: list[dict[str, Any]], *, output_dir: str) -> list[PartInfo]:
-    """The chunk's rejects part ([] and no file when it rejected nothing)."""
+def write_rejects(name: str, rejects: list[dict[str, Any]], *, output_dir: str) -> list[PartInfo]:
+    """A chunk's (or window's) rejects part ``name`` ([] and no file when it rejected nothing)."""
     if not rejects:
         return []
     table = pa.Table.from_pylist(rejects, schema=load_schema("prompt_rejects"))
-    num_bytes, digest = write_parquet_atomic(table, join(output_dir, chunk.rejects_name))
-    return [PartInfo(chunk.rejects_name, table.num_rows, digest, num_bytes)]
+    num_bytes, digest = write_parquet_atomic(table, join(output_dir, name))
+    return [PartInfo(name, table.num_rows, digest, num_bytes)]
 
 
 def chunk_counts(tables: list[pa.Table], *, rejects: list[Reject], truncated: int) -> dict[str, int]:
@@ -173,7 +243,8 @@ def rewrite_chunk(
     ``tokenizer()`` loads the tokenizer, needed only to tell whether a removed row had been truncated."""
     drop, keep = {name: set(rows) for name, rows in job["drop"].items()}, job.get("keep")
     old_parts = [PartInfo(**p) for p in job["parts"]]
-    parts, duplicates, trimmed, kept, last_row = [], [], [], 0, None
+    parts, duplicates, kept, last_row = [], [], 0, None
+    trimmed = Counter()  # of the rows past ``keep``: counted part by part, not held (a streamed chunk has millions)
     for part in (p for p in old_parts if not p.name.startswith("_rejects/")):
         dropped = drop.get(part.name, set())
         if not dropped and keep is None:
@@ -184,7 +255,8 @@ def rewrite_chunk(
         unique = [row for i, row in enumerate(rows) if i not in dropped]
         if keep is not None:
             room = max(keep - kept, 0)
-            trimmed, unique = trimmed + unique[room:], unique[:room]
+            trimmed += _tally(unique[room:], tokenizer, cfg=cfg)
+            unique = unique[:room]
         kept += len(unique)
         last_row = unique[-1]["source_row"] if unique else last_row
         if len(unique) == len(rows):
@@ -195,22 +267,26 @@ def rewrite_chunk(
     if keep is not None and last_row is not None:  # today's reading stopped at the last kept row
         rejects = [r for r in rejects if r["source_row"] < last_row]
     rejects.sort(key=lambda r: r["source_row"])
-    reject_part = write_rejects(chunk, rejects, output_dir=output_dir)
-    removed = duplicates + trimmed
-    counts = _counts_less(job["counts"], removed, truncated=count_truncated(removed, tokenizer, cfg=cfg))
+    reject_part = write_rejects(chunk.rejects_name, rejects, output_dir=output_dir)
+    counts = _counts_less(job["counts"], trimmed + _tally(duplicates, tokenizer, cfg=cfg))
     counts.update(_reject_counts([r["reason"] for r in rejects]))
     return {"key": chunk.key, "parts": [asdict(p) for p in parts + reject_part], "counts": counts, "read": job["read"]}
 
 
-def _counts_less(counts: dict[str, int], removed: list[dict[str, Any]], *, truncated: int) -> dict[str, int]:
-    """A chunk's counts less the prompt rows removed from it (and without its reject counts)."""
+def _tally(rows: list[dict[str, Any]], tokenizer: Callable[[], Any], *, cfg: PipelineConfig) -> Counter:
+    """The counts ``rows`` (prompt rows removed from a chunk) take along: prompts, truncated_prompts and
+    data_source/<name>."""
+    tally = Counter(f"data_source/{row['data_source']}" for row in rows)
+    tally.update(prompts=len(rows), truncated_prompts=count_truncated(rows, tokenizer, cfg=cfg))
+    return tally
+
+
+def _counts_less(counts: dict[str, int], removed: Counter) -> dict[str, int]:
+    """A chunk's counts less those of the prompt rows removed from it (and without its reject counts)."""
     out = {k: v for k, v in counts.items() if not k.startswith("rejected")}
-    out["prompts"] -= len(removed)
-    out["truncated_prompts"] -= truncated
-    for row in removed:
-        key = f"data_source/{row['data_source']}"
-        out[key] -= 1
-        if not out[key]:
+    for key, value in removed.items():
+        out[key] -= value
+        if key.startswith("data_source/") and not out[key]:
             del out[key]
     return out
 

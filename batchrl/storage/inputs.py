@@ -5,15 +5,19 @@ crash. Instead the driver plans chunks from what costs one small request per fil
 file's size and first line), and each worker reads its chunk itself, from local disk or object storage.
 
 - Parquet: a chunk is contiguous row groups of one file adding up to about ``rows_per_chunk`` rows; a bigger
-  row group is one chunk on its own, unless it exceeds ``SPLIT_ROWS``: then it is split into slices of equal
-  size, each worker reading the row group and keeping its slice (decoding a row group costs far less than
-  tokenizing it, and one file written as a single row group of a million rows would otherwise go to one worker).
+  row group is one chunk on its own. One over ``SPLIT_ROWS`` is a *streamed* chunk: read in record batches of a
+  window's rows (``read_windows``), each row decoded once. (It used to be split into slices each of which decoded
+  the whole group to keep its slice: a million-row group was decoded 16 times, and held whole by every slice.)
 - JSONL (``*.jsonl``): a chunk is a byte range of ``JSONL_CHUNK_BYTES`` (16 MiB); its reader takes the lines that START
   inside the range (the split rule of Hadoop's text input), so every line is read by exactly one chunk. The row
   number of a JSONL line (``source_row``, and the default prompt id ``<stem>-<row>``) is its byte offset in the
   file: a chunk cannot know how many lines come before it without reading them, and an offset is as stable and
-  as easy to find (``tail -c +$((row + 1)) file | head -1``). ``*.jsonl.gz`` cannot be split: one chunk per file,
-  offsets in the decompressed text.
+  as easy to find (``tail -c +$((row + 1)) file | head -1``). ``*.jsonl.gz`` cannot be seeked: one streamed chunk
+  per file, decompressed once, front to back, in windows of records; offsets in the decompressed text.
+
+A streamed chunk is never held whole: its reader yields windows of at most ``window_rows`` records, and ingest
+tokenizes the windows on its workers as they come (see batchrl.stages.ingest), each window writing its own parts
+(``Chunk.window_part_names``).
 
 A chunk's key (file index and first row or byte) is stable across runs of the same inputs, chunks are listed in
 input order, and each knows the part names it may write (``first_part`` .. ``first_part + part_capacity - 1``,
@@ -37,14 +41,13 @@ from batchrl.errors import DataError
 from batchrl.storage.fs import file_identities, is_jsonl, open_parquet, resolve
 from batchrl.storage.layout import part_name
 
-SPLIT_ROWS = 65_536  # a Parquet row group larger than this is split into slices of at most this many rows
+SPLIT_ROWS = 65_536  # a Parquet row group larger than this is a streamed chunk, read in record batches
 JSONL_CHUNK_BYTES = 16 << 20  # ~80k lines of 200 bytes: a few seconds of a worker's time, in memory at once
 READ_BLOCK_BYTES = 8 << 20  # JSONL is read in blocks of this size (fsspec's readline re-reads a whole block)
+GZ_BLOCK_BYTES = 1 << 20  # gzipped JSONL is decompressed in blocks of this size (what a streamed window holds)
 HEAD_READ_BYTES = 64 << 10  # planning reads a JSONL file's first record in blocks of this size
-FOOTER_THREADS = 16
-UNBOUNDED = (
-    1 << 62
-)  # the end of a chunk that runs to the end of its file  # footers of many object-store files are read concurrently
+FOOTER_THREADS = 16  # footers of many object-store files are read concurrently
+UNBOUNDED = 1 << 62  # the end of a chunk that runs to the end of its file
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,25 @@ class Chunk:
         return None if self.stop == UNBOUNDED else (self.stop - self.first_row) // 3 + 1
 
     @property
+    def streamed(self) -> bool:
+        """Read in windows of records (read_windows) rather than whole: a gzipped JSONL file (not seekable, of any
+        size) or a Parquet row group of more than SPLIT_ROWS rows."""
+        if self.jsonl:
+            return self.stop == UNBOUNDED
+        return self.group_stop - self.group_start == 1 and (self.rows or 0) > SPLIT_ROWS
+
+    @property
     def stem(self) -> str:
         return InputFile(self.uri, 0, 0, "", ()).stem
+
+    def window_part_names(self, window: int, count: int) -> list[str]:
+        """Names of the first ``count`` parts of a streamed chunk's ``window``-th window: window 0 takes the chunk's
+        own names (a chunk read whole is its window 0), window w ``part-<first>-w<w>-<k>.parquet``: the count of a
+        window's parts is not known before it is read, and the names must not depend on how the others went."""
+        if window == 0:
+            return self.part_names(count)
+        base = part_name(self.first_part).removesuffix(".parquet")
+        return [f"{base}-w{window:06d}-{k:04d}.parquet" for k in range(count)]
 
     def part_names(self, count: int) -> list[str]:
         """Names of the chunk's first ``count`` parts: its reserved indices, then (JSONL, whose row count was not
@@ -128,7 +148,10 @@ class Chunk:
 
     @property
     def rejects_name(self) -> str:
-        return "_rejects/" + part_name(self.first_part)
+        return self.window_rejects_name(0)
+
+    def window_rejects_name(self, window: int) -> str:
+        return "_rejects/" + self.window_part_names(window, 1)[0]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -171,19 +194,11 @@ def plan_chunks(files: list[InputFile], *, rows_per_chunk: int, rows_per_part: i
 
 
 def _parquet_chunks(file: InputFile, rows_per_chunk: int) -> Iterator[Chunk]:
-    split_rows = max(SPLIT_ROWS, rows_per_chunk)
     start_group, first_row, rows = 0, 0, 0
     for group, group_rows in enumerate(file.row_groups):
         if rows and rows + group_rows > rows_per_chunk:  # the open chunk is full: emit it
             yield _parquet_chunk(file, start_group, group, first_row, rows)
             start_group, first_row, rows = group, first_row + rows, 0
-        if not rows and group_rows > split_rows:  # a big row group alone, in slices
-            slices = math.ceil(group_rows / split_rows)
-            size = math.ceil(group_rows / slices)
-            for offset in range(0, group_rows, size):
-                yield _parquet_chunk(file, group, group + 1, first_row + offset, min(size, group_rows - offset))
-            start_group, first_row = group + 1, first_row + group_rows
-            continue
         rows += group_rows
     if rows:
         yield _parquet_chunk(file, start_group, len(file.row_groups), first_row, rows)
@@ -203,7 +218,7 @@ def _parquet_chunk(file: InputFile, group_start: int, group_stop: int, first_row
 
 
 def _jsonl_chunks(file: InputFile) -> Iterator[Chunk]:
-    if file.uri.endswith(".gz"):  # not splittable: one chunk, offsets in the decompressed text
+    if file.uri.endswith(".gz"):  # not seekable: one streamed chunk, offsets in the decompressed text
         if file.size:
             yield Chunk(file.uri, file.index, file.version, 0, first_row=0, rows=None, stop=UNBOUNDED)
         return
@@ -214,20 +229,48 @@ def _jsonl_chunks(file: InputFile) -> Iterator[Chunk]:
 
 def read_chunk(chunk: Chunk, *, columns: list[str]) -> list[tuple[int, dict[str, Any] | str]]:
     """(row number, record) for every row of the chunk; for a JSONL line that is not a JSON object, (byte offset,
-    why) instead of the record. Parquet: only ``columns`` (those the file has) are read."""
+    why) instead of the record. Parquet: only ``columns`` (those the file has) are read. Holds the chunk whole: a
+    streamed chunk is read with read_windows."""
     if chunk.jsonl:
         return list(_jsonl_records(chunk))
+    return [row for window in _parquet_windows(chunk, columns, window_rows=None) for row in window]
+
+
+def read_windows(chunk: Chunk, *, columns: list[str], window_rows: int) -> Iterator[list[tuple[int, Any]]]:
+    """The rows of ``chunk`` (as read_chunk gives them) in successive windows of ``window_rows`` rows (the last one
+    shorter; none for a chunk without rows), each read as the previous one is consumed: a gzipped file is
+    decompressed once, front to back, and a Parquet row group decoded in record batches, never whole."""
+    if not chunk.jsonl:
+        yield from _parquet_windows(chunk, columns, window_rows=window_rows)
+        return
+    window: list[tuple[int, Any]] = []
+    for row in _jsonl_records(chunk):
+        window.append(row)
+        if len(window) >= window_rows:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def _parquet_windows(chunk: Chunk, columns: list[str], *, window_rows: int | None) -> Iterator[list[tuple[int, Any]]]:
+    """The chunk's rows in windows of ``window_rows`` (None: its row groups read whole, in one window)."""
+    groups = list(range(chunk.group_start, chunk.group_stop))
     try:
         with open_parquet(chunk.uri) as parquet:
             wanted = [c for c in columns if c in parquet.schema_arrow.names]
-            table = parquet.read_row_groups(list(range(chunk.group_start, chunk.group_stop)), columns=wanted)
-            before = sum(parquet.metadata.row_group(g).num_rows for g in range(chunk.group_start))
+            if window_rows is None:
+                tables = iter([parquet.read_row_groups(groups, columns=wanted)])
+            else:
+                tables = parquet.iter_batches(batch_size=window_rows, row_groups=groups, columns=wanted)
+            row = chunk.first_row  # a chunk is whole row groups
+            for table in tables:
+                yield list(enumerate(table.to_pylist(), start=row))
+                row += table.num_rows
     except (OSError, pa.ArrowException) as err:
         raise DataError(
             f"{chunk.uri}: row groups {chunk.group_start}..{chunk.group_stop - 1} cannot be read ({_first_line(err)})"
         ) from None
-    table = table.slice(chunk.first_row - before, chunk.rows)  # a slice of a big row group
-    return list(enumerate(table.to_pylist(), start=chunk.first_row))
 
 
 def _jsonl_records(chunk: Chunk) -> Iterator[tuple[int, dict[str, Any] | str]]:
@@ -240,8 +283,10 @@ def _jsonl_records(chunk: Chunk) -> Iterator[tuple[int, dict[str, Any] | str]]:
     first_offset = chunk.first_row
     try:
         with fs.open(path, "rb") as raw:
-            f = gzip.GzipFile(fileobj=raw) if chunk.uri.endswith(".gz") else raw
-            for index, (offset, line) in enumerate(lines_starting_in(f, chunk.first_row, chunk.stop)):
+            gz = chunk.uri.endswith(".gz")
+            f = gzip.GzipFile(fileobj=raw) if gz else raw
+            block = GZ_BLOCK_BYTES if gz else READ_BLOCK_BYTES
+            for index, (offset, line) in enumerate(lines_starting_in(f, chunk.first_row, chunk.stop, block=block)):
                 first_offset = offset if index == 0 else first_offset
                 if not line.strip():  # a blank line is no record (a file's last newline often leaves one)
                     continue

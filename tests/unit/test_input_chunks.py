@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import tracemalloc
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +15,7 @@ import pytest
 from batchrl.errors import DataError
 from batchrl.storage import expand_input_files
 from batchrl.storage import inputs as inputs_module
-from batchrl.storage.inputs import describe_inputs, lines_starting_in, plan_chunks, read_chunk
+from batchrl.storage.inputs import describe_inputs, lines_starting_in, plan_chunks, read_chunk, read_windows
 
 
 def write_parquet(path, num_rows: int, *, row_group_size: int) -> str:
@@ -44,13 +45,37 @@ def test_parquet_row_groups_are_combined_up_to_the_chunk_size_and_a_bigger_group
     assert [(n, r["prompt"]) for n, r in rows] == [(i, f"q{i}") for i in range(10)] + [(i, f"q{i}") for i in range(9)]
 
 
-def test_a_huge_row_group_is_split_into_slices_read_by_different_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(inputs_module, "SPLIT_ROWS", 4)
+def test_a_huge_row_group_is_one_streamed_chunk_decoded_once_in_record_batches(tmp_path, monkeypatch):
+    """200k rows in one row group, windows of 10k: each row decoded once, by one pass of record batches, never the
+    whole group at once (it used to be sliced, each slice decoding the whole group)."""
+    path = write_parquet(tmp_path / "a.parquet", 200_000, row_group_size=200_000)
+    calls = {"iter_batches": 0, "read_row_groups": 0, "read_row_group": 0, "read": 0}
+    for name in calls:
+        monkeypatch.setattr(pq.ParquetFile, name, counted(getattr(pq.ParquetFile, name), calls, name))
+    (chunk,) = plan_chunks(describe_inputs([path]), rows_per_chunk=10_000)
+    assert chunk.streamed and (chunk.rows, chunk.part_capacity) == (200_000, 20)
+    windows = [[n for n, _ in window] for window in read_windows(chunk, columns=["prompt"], window_rows=10_000)]
+    assert [len(w) for w in windows] == [10_000] * 20
+    assert [n for w in windows for n in w] == list(range(200_000))
+    assert calls == {"iter_batches": 1, "read_row_groups": 0, "read_row_group": 0, "read": 0}
+
+
+def counted(method, calls: dict[str, int], name: str):
+    def wrapper(self, *args, **kwargs):
+        calls[name] += 1
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def test_a_chunk_of_row_groups_up_to_split_rows_is_read_whole_as_before(tmp_path):
     path = write_parquet(tmp_path / "a.parquet", 10, row_group_size=10)
-    chunks = plan_chunks(describe_inputs([path]), rows_per_chunk=2)
-    assert [(c.first_row, c.rows) for c in chunks] == [(0, 4), (4, 4), (8, 2)]
-    read = [n for chunk in chunks for n, _ in read_chunk(chunk, columns=["prompt"])]
-    assert read == list(range(10))
+    (chunk,) = plan_chunks(describe_inputs([path]), rows_per_chunk=2)
+    assert not chunk.streamed
+    assert [window for window in read_windows(chunk, columns=["prompt"], window_rows=3)][0][:2] == [
+        (0, {"prompt": "q0"}),
+        (1, {"prompt": "q1"}),
+    ]
 
 
 def test_every_jsonl_line_is_read_by_exactly_one_byte_range_wherever_the_ranges_split(tmp_path):
@@ -113,7 +138,47 @@ def test_a_gzipped_jsonl_file_is_one_chunk_with_offsets_in_the_decompressed_text
     path = tmp_path / "p.jsonl.gz"
     path.write_bytes(gzip.compress(b'{"prompt": "a"}\n{"prompt": "b"}\n'))
     (chunk,) = plan_chunks(describe_inputs([str(path)]), rows_per_chunk=100)
+    assert chunk.streamed
     assert read_chunk(chunk, columns=[]) == [(0, {"prompt": "a"}), (16, {"prompt": "b"})]
+
+
+def test_a_gzipped_file_streams_in_windows_of_the_rows_and_offsets_of_its_plain_text(tmp_path):
+    plain = tmp_path / "p.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": f"q{i}", "n": i}) + "\n" for i in range(2_345)))
+    gzipped = tmp_path / "p.jsonl.gz"
+    gzipped.write_bytes(gzip.compress(plain.read_bytes()))
+    (chunk,) = plan_chunks(describe_inputs([str(gzipped)]), rows_per_chunk=500)
+    windows = list(read_windows(chunk, columns=[], window_rows=500))
+    assert [len(w) for w in windows] == [500, 500, 500, 500, 345]
+    whole = [
+        row for c in plan_chunks(describe_inputs([str(plain)]), rows_per_chunk=1) for row in read_chunk(c, columns=[])
+    ]
+    assert [row for window in windows for row in window] == whole
+
+
+def test_reading_a_gzipped_file_in_windows_holds_a_window_not_the_file(tmp_path):
+    """tracemalloc's peak while the windows are consumed one by one, against holding the records whole."""
+    lines = "".join(
+        json.dumps({"prompt": f"What is {i} + {i % 7}?", "ground_truth": str(i)}) + "\n" for i in range(50_000)
+    )
+    path = tmp_path / "p.jsonl.gz"
+    path.write_bytes(gzip.compress(lines.encode(), compresslevel=1))
+    (chunk,) = plan_chunks(describe_inputs([str(path)]), rows_per_chunk=1_000)
+
+    def peak(read) -> int:
+        tracemalloc.start()
+        try:
+            read()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    held = []
+    whole = peak(lambda: held.append(read_chunk(chunk, columns=[])))
+    counts = []
+    windowed = peak(lambda: counts.extend(len(w) for w in read_windows(chunk, columns=[], window_rows=1_000)))
+    assert sum(counts) == len(held[0]) == 50_000 and max(counts) == 1_000
+    assert windowed < 0.3 * whole, (windowed, whole)
 
 
 def test_a_jsonl_file_whose_first_line_is_not_an_object_is_a_data_error_naming_it(tmp_path):

@@ -1,0 +1,71 @@
+"""ingest of streamed chunks (issue 35): a gzipped JSON Lines file and a Parquet row group too big to read whole are
+read once, front to back, in windows that the actor pool tokenizes as they come; the table has the rows, ids and
+order the same records give from a plain file or small row groups."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_ingest_chunks import make_ctx, prompt, rejects, table_rows, tokenizer_dir  # noqa: F401 (a fixture)
+
+from batchrl.stages import ingest as ingest_module
+from batchrl.stages.ingest import IngestStage
+from batchrl.storage import inputs as inputs_module
+from batchrl.storage import read_parquet
+
+SHARD = 4
+
+
+@pytest.fixture(autouse=True)
+def windows_of_one_part(monkeypatch):
+    """Windows of data.shard_size records, and no file small enough for the driver: every window is a pool job."""
+    monkeypatch.setattr(ingest_module, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(ingest_module, "GZ_IN_DRIVER_BYTES", 0)
+
+
+def compared(rows: list[dict]) -> list[tuple]:
+    return [(r["prompt_id"], r["source_row"], r["prompt_text"], r["prompt_token_ids"]) for r in rows]
+
+
+def test_a_gzipped_file_becomes_a_part_per_window_with_the_rows_and_ids_of_the_plain_file(
+    tmp_path, tokenizer_dir, ray_session
+):
+    records = [prompt(i) for i in range(50)]
+    records[30] = prompt(3, prompt="A later occurrence of p3")  # a duplicate in another window than its first
+    del records[7]["prompt_id"]  # an id from the line's offset in the decompressed text
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    plain, gzipped = tmp_path / "p.jsonl", tmp_path / "gz" / "p.jsonl.gz"
+    plain.write_text(text)
+    gzipped.parent.mkdir()
+    gzipped.write_bytes(gzip.compress(text.encode()))
+
+    streamed = IngestStage().run(ctx := make_ctx(tmp_path / "a", tokenizer_dir, [gzipped], shard_size=SHARD))
+    whole = IngestStage().run(ctx_plain := make_ctx(tmp_path / "b", tokenizer_dir, [plain], shard_size=SHARD))
+    assert len(streamed.parts) == math.ceil(50 / SHARD)  # one part per window: the rewritten one has 3 rows
+    assert [p.rows for p in streamed.parts] == [4] * 7 + [3] + [4] * 4 + [2]
+    assert compared(table_rows(ctx, streamed)) == compared(table_rows(ctx_plain, whole))
+    offset = sum(len(json.dumps(r)) + 1 for r in records[:7])  # of line 8 in the decompressed text
+    assert table_rows(ctx, streamed)[7]["prompt_id"] == f"p-{offset}"
+    assert rejects(ctx, streamed) == [("p.jsonl.gz",) + r[1:] for r in rejects(ctx_plain, whole)]
+    assert [reason for _, _, reason, _ in rejects(ctx, streamed)] == ["duplicate_prompt_id"]
+    assert streamed.counts == whole.counts
+
+
+def test_a_big_row_group_gives_the_table_small_row_groups_give(tmp_path, tokenizer_dir, ray_session, monkeypatch):
+    monkeypatch.setattr(inputs_module, "SPLIT_ROWS", 8)
+    rows = [prompt(i) for i in range(30)]
+    one_group, small_groups = tmp_path / "one" / "a.parquet", tmp_path / "small" / "a.parquet"
+    for path, size in ((one_group, 30), (small_groups, 4)):
+        path.parent.mkdir()
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=size)
+    streamed = IngestStage().run(ctx := make_ctx(tmp_path / "a", tokenizer_dir, [one_group], shard_size=SHARD))
+    chunked = IngestStage().run(ctx_small := make_ctx(tmp_path / "b", tokenizer_dir, [small_groups], shard_size=SHARD))
+    assert compared(table_rows(ctx, streamed)) == compared(table_rows(ctx_small, chunked))
+    assert [p.rows for p in streamed.parts] == [4] * 7 + [2]
+    assert streamed.counts == chunked.counts
+    assert sum(read_parquet(f"{ctx.output_dir}/{p.name}").num_rows for p in streamed.parts) == 30
