@@ -158,9 +158,12 @@ def _print_batches(cfg: PipelineConfig, steps) -> None:
     one is done) roll out, the first PLANNED_BATCHES_LISTED, once the prompts table is committed (its manifest is what
     decides them)."""
     from batchrl.algorithms.batches import described
+    from batchrl.errors import DataError
     from batchrl.stages.generate import prompt_batch
 
-    prompts = next((s.manifest for s in steps if s.manifest is not None and s.manifest.schema == "prompts"), None)
+    # the training prompts (not the held-out ones, of the same schema) as this config makes them: a committed table
+    # of another config (to redo) decides nothing
+    prompts = next((s.manifest for s in steps if s.status == "done" and s.manifest.table == "prompts"), None)
     iterations = sorted({step.iteration for step in steps if step.iteration is not None})
     if not cfg.data.prompts_per_iteration or prompts is None or not iterations:
         return
@@ -170,7 +173,11 @@ def _print_batches(cfg: PipelineConfig, steps) -> None:
         "epoch, and the rows inside each part):"
     )
     for iteration in to_run[:PLANNED_BATCHES_LISTED]:
-        batch = prompt_batch(cfg, iteration, prompts)
+        try:
+            batch = prompt_batch(cfg, iteration, prompts)
+        except DataError as err:  # data.sources: a source smaller than its count (the run stops there too)
+            typer.echo(f"    data error: {err}")
+            return
         where = f"epoch {batch.epoch}, batch {batch.index_in_epoch + 1} of {batch.batches_per_epoch}"
         typer.echo(f"    iter {iteration} ({where}): {described(batch)}")
     if len(to_run) > PLANNED_BATCHES_LISTED:

@@ -8,20 +8,12 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_ingest import make_ctx, tokenizer_dir  # noqa: F401  (a fixture)
 
 from batchrl.algorithms.mixing import mixed_batch, source_of_part
-from batchrl.config import ConfigError, validate_dict
-from batchrl.pipeline.stage import StageContext
+from batchrl.config import ConfigError
 from batchrl.stages.ingest import IngestStage
-from batchrl.storage import RunLayout, read_parquet
-from batchrl_toy import build_toy_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_toy_tokenizer(path)
-    return str(path)
+from batchrl.storage import read_parquet
 
 
 def prompts_file(path, prefix: str, count: int):
@@ -33,29 +25,18 @@ def prompts_file(path, prefix: str, count: int):
     return str(path)
 
 
-def ingest(tmp_path, tokenizer_dir, data: dict):
-    cfg = validate_dict({"name": "t", "model": {"path": tokenizer_dir}, "data": {"shard_size": 8, **data}})
-    layout = RunLayout.for_run(str(tmp_path / "runs"), "t")
-    ctx = StageContext(
-        cfg=cfg,
-        layout=layout,
-        iteration=None,
-        output_dir=layout.table_dir("prompts", None),
-        fingerprint="x",
-        inputs={},
-        input_dirs={},
-        policy_in=tokenizer_dir,
-        embedded_ray=True,
-    )
-    IngestStage().check_inputs(cfg)
+def ingest(tmp_path, tokenizer_dir, files: list[str], data: dict):
+    """ingest run in this process (shard_size 8: the inputs' few rows in all), after its checks."""
+    ctx = make_ctx(tmp_path, tokenizer_dir, files, shard_size=8, **data)
+    IngestStage().check_inputs(ctx.cfg)
     return ctx, IngestStage().run(ctx)
 
 
 def test_each_sources_rows_carry_its_name_in_parts_under_its_directory(tmp_path, tokenizer_dir):
     easy, hard = prompts_file(tmp_path / "easy.parquet", "e", 5), prompts_file(tmp_path / "hard.parquet", "h", 3)
     sources = [{"name": "easy", "files": [easy], "weight": 3}, {"name": "hard", "files": [hard], "weight": 1}]
-    ctx, out = ingest(tmp_path, tokenizer_dir, {"sources": sources, "prompts_per_iteration": 4})
-    # (shard_size 8: the two files' 8 rows are ingested in this process, as the runner does for a small input)
+    # train_files as the sources make it (the list a run.yaml holds beside them)
+    ctx, out = ingest(tmp_path, tokenizer_dir, [easy, hard], {"sources": sources, "prompts_per_iteration": 4})
     assert [(p.name, p.rows) for p in out.parts] == [("easy/part-00000.parquet", 5), ("hard/part-00001.parquet", 3)]
     for part in out.parts:
         rows = read_parquet(f"{ctx.output_dir}/{part.name}").to_pylist()
@@ -66,7 +47,7 @@ def test_each_sources_rows_carry_its_name_in_parts_under_its_directory(tmp_path,
 
 
 def test_without_sources_parts_are_unprefixed_and_the_source_column_is_null(tmp_path, tokenizer_dir):
-    ctx, out = ingest(tmp_path, tokenizer_dir, {"train_files": [prompts_file(tmp_path / "a.parquet", "a", 3)]})
+    ctx, out = ingest(tmp_path, tokenizer_dir, [prompts_file(tmp_path / "a.parquet", "a", 3)], {})
     assert [p.name for p in out.parts] == ["part-00000.parquet"]
     assert read_parquet(f"{ctx.output_dir}/part-00000.parquet").column("source").to_pylist() == [None] * 3
 
@@ -75,4 +56,4 @@ def test_a_file_in_two_sources_is_a_config_error_naming_the_field(tmp_path, toke
     both = prompts_file(tmp_path / "a.parquet", "a", 3)
     sources = [{"name": "x", "files": [both], "count": 1}, {"name": "y", "files": [str(tmp_path)], "count": 1}]
     with pytest.raises(ConfigError, match=r"data\.sources\[1\]\.files: .*a\.parquet is in sources 'x' and 'y'"):
-        ingest(tmp_path, tokenizer_dir, {"sources": sources})
+        ingest(tmp_path, tokenizer_dir, [both, str(tmp_path)], {"sources": sources})
