@@ -1,7 +1,8 @@
 """prompt_stats: what the run has learned about each prompt, one table per iteration, cumulative.
 
 Iteration i's table is iteration i-1's with the rows of the prompts iteration i scored updated (times sampled,
-samples, running and last mean reward, passes and pass rate, first and last iteration) and the new ones added; a
+samples, running and last mean reward, passes and pass rate, first and last iteration, and the solved streak: the
+iterations in a row, up to its last, whose group passed in every sample) and the new ones added; a
 prompt never sampled has no row. Planned with ``data.prompt_stats: true`` or with ``data.sources`` (whose per-source
 metrics it reports), so a pipeline without either has exactly the stages it had.
 
@@ -156,6 +157,8 @@ def updated_stats(previous: pa.Table | None, groups: pa.Table, *, iteration: int
             "pass_rate": passes / samples,
             "last_pass_rate": passes_G / samples_G,
             "first_iteration": old["first_iteration"],
+            # every sample of the group passed: one more iteration in a row solved, else back to none
+            "solved_streak": np.where(passes_G == samples_G, old["solved_streak"] + 1, 0),
             "last_iteration": np.full(groups.num_rows, iteration, np.int64),
         }
     )
@@ -170,6 +173,7 @@ OLD_COLUMNS = {
     "reward_mean": np.float64,
     "passes": np.int64,
     "first_iteration": np.int64,
+    "solved_streak": np.int64,
 }
 
 

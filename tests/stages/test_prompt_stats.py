@@ -48,6 +48,7 @@ def test_the_first_iteration_counts_each_prompts_group():
         "last_pass_rate": 0.75,
         "first_iteration": 0,
         "last_iteration": 0,
+        "solved_streak": 0,
     }
     assert (rows["b"]["reward_mean"], rows["b"]["pass_rate"]) == (0.0, 0.0)
 
@@ -66,6 +67,16 @@ def test_the_next_iteration_updates_the_prompts_it_sampled_and_keeps_the_others(
     c = rows["c"]  # 0.5 is not above the threshold: 3 passes of 4
     assert (c["times_sampled"], c["passes"], c["first_iteration"]) == (1, 3, 1)
     assert c["reward_mean"] == pytest.approx(3.5 / 4)
+
+
+def test_the_solved_streak_counts_iterations_in_a_row_whose_group_passed_in_every_sample():
+    solved, missed = scores([("a", None, [1.0, 1.0])]), scores([("a", None, [1.0, 0.0])])
+    table = None
+    streaks = []
+    for iteration, groups in enumerate([solved, solved, missed, solved]):
+        table = updated_stats(table, groups, iteration=iteration, threshold=0.5)
+        streaks.append(table.column("solved_streak").to_pylist()[0])
+    assert streaks == [1, 2, 0, 1]
 
 
 def test_metrics_break_rewards_down_by_source_and_count_groups_that_scored_all_alike():
