@@ -110,8 +110,8 @@ class IngestStage(Stage):
         return [ActorNeed.of(cfg.data, field="data")]
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
+        files_by_source(cfg)  # data.sources first: a missing file's error names its source, and no file is in two
         check_prompt_files(cfg, field="data.train_files")
-        files_by_source(cfg)  # data.sources: no file in two sources
 
     def run(self, ctx: StageContext) -> StageOutput:
         return ingest_prompt_files(ctx, field="data.train_files")

@@ -57,3 +57,9 @@ def test_a_file_in_two_sources_is_a_config_error_naming_the_field(tmp_path, toke
     sources = [{"name": "x", "files": [both], "count": 1}, {"name": "y", "files": [str(tmp_path)], "count": 1}]
     with pytest.raises(ConfigError, match=r"data\.sources\[1\]\.files: .*a\.parquet is in sources 'x' and 'y'"):
         ingest(tmp_path, tokenizer_dir, [both, str(tmp_path)], {"sources": sources})
+
+
+def test_a_missing_file_of_a_source_is_a_config_error_naming_that_source(tmp_path, tokenizer_dir):
+    sources = [{"name": "x", "files": [str(tmp_path / "gone.parquet")], "count": 1}]
+    with pytest.raises(ConfigError, match=r"data\.sources\[0\]\.files"):
+        ingest(tmp_path, tokenizer_dir, [str(tmp_path / "gone.parquet")], {"sources": sources})
