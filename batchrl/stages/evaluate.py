@@ -34,12 +34,14 @@ import pyarrow as pa
 
 from batchrl.agents.columns import tool_stats
 from batchrl.agents.environment import environment_stats
+from batchrl.algorithms.batches import Slice
 from batchrl.algorithms.evaluation import evaluation_metrics, majority_vote
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import fingerprint_dump
 from batchrl.pipeline.shards import ShardRun, add_counts, part_info, process_in_driver, run_sharded
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code, reward_name_for
+from batchrl.stages.generate_jobs import part_pieces
 from batchrl.stages.heldout import overlong_prompts, tool_schema_fingerprint
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 from batchrl.storage.manifest import Manifest, PartInfo
@@ -131,7 +133,7 @@ class EvaluateStage(Stage):
         if cfg.evaluate is None:
             raise AssertionError("the evaluate stage was planned for a config without an evaluate: section")
         prompts_dir, prompts = ctx.input_dirs["evaluation_prompts"], ctx.inputs["evaluation_prompts"]
-        rollouts, rollout_counts = generate_eval_rollouts(ctx, prompts_dir, prompts)
+        rollouts, rollout_counts, pieces = generate_eval_rollouts(ctx, prompts_dir, prompts)
         scores_dir = join(ctx.output_dir, "_scores")
         score_parts = score_eval_rollouts(
             cfg, join(ctx.output_dir, "_rollouts"), rollouts, scores_dir, embedded_ray=ctx.embedded_ray
@@ -139,9 +141,10 @@ class EvaluateStage(Stage):
         extract = answer_extractor(cfg)
         parts, tables = [], []
         for part in prompts.parts:
+            names = [name for name, _ in pieces[part.name]]  # the part, or its row ranges in order
             table = evaluation_table(
-                _scored(scores_dir, "greedy", part.name, cfg),
-                _scored(scores_dir, "sampled", part.name, cfg),
+                _scored(scores_dir, "greedy", names, cfg),
+                _scored(scores_dir, "sampled", names, cfg),
                 policy=ctx.policy_in,
                 extract_answer=extract,
             )
@@ -170,9 +173,10 @@ def max_new_tokens(cfg: PipelineConfig) -> int:
 
 def generate_eval_rollouts(
     ctx: StageContext, prompts_dir: str, prompts: Manifest
-) -> tuple[Manifest, list[dict[str, float]]]:
-    """Greedy and sampled rollouts of every prompt part, as ``_rollouts/{greedy,sampled}-part-*.parquet``, and each
-    shard's counts (generate's: samples, and the loop's with tools or an environment)."""
+) -> tuple[Manifest, list[dict[str, float]], dict[str, list[tuple[str, Slice]]]]:
+    """Greedy and sampled rollouts of every prompt part, as ``_rollouts/{greedy,sampled}-part-*.parquet``, each
+    shard's counts (generate's: samples, and the loop's with tools or an environment), and the pieces each part was
+    generated in (`part_pieces`: a part cut into row ranges so that every live engine has work)."""
     from batchrl.stages.generate import ShardSettings, engine_actors, generate_shards, loop_settings
 
     cfg, e = ctx.cfg, ctx.cfg.evaluate
@@ -183,6 +187,7 @@ def generate_eval_rollouts(
         "greedy": (1, {"temperature": 0.0, "top_p": 1.0}) if e.greedy else None,
         "sampled": (e.num_samples, {"temperature": e.temperature, "top_p": e.top_p}) if e.num_samples else None,
     }
+    pieces = part_pieces([(p.name, p.rows) for p in prompts.parts], len(actors))
     parts, counts = [], []
     for mode, setting in modes.items():
         if setting is None:
@@ -198,17 +203,19 @@ def generate_eval_rollouts(
         )
         jobs = [
             {
-                "input_uri": join(prompts_dir, p.name),
-                "output_uri": join(ctx.output_dir, "_rollouts", f"{mode}-{p.name}"),
-                "name": f"{mode}-{p.name}",
+                "input_uri": join(prompts_dir, part),
+                "output_uri": join(ctx.output_dir, "_rollouts", f"{mode}-{name}"),
+                "name": f"{mode}-{name}",
             }
-            for p in prompts.parts
+            | ({} if piece.row_ids is None else {"row_ids": list(piece.row_ids)})
+            for part, cut in pieces.items()
+            for name, piece in cut
         ]
         for row in generate_shards(actors, jobs, settings, timeout_s=cfg.generate.shard_timeout_s, progress_bars=False):
             parts.append(part_info(row))
             counts.append(json.loads(row["counts_json"]))
     ctx.engines.end_stage(cfg.generate.engine_lifetime)
-    return _manifest(sorted(parts, key=lambda p: p.name), schema="rollouts"), counts
+    return _manifest(sorted(parts, key=lambda p: p.name), schema="rollouts"), counts, pieces
 
 
 def score_eval_rollouts(
@@ -251,9 +258,10 @@ def score_eval_rollouts(
     return [part_info(row) for row in process_in_driver(ScoreWorker, ScoreStage.reward_kwargs(cfg, judged=False), jobs)]
 
 
-def _scored(scores_dir: str, mode: str, part_name: str, cfg: PipelineConfig) -> pa.Table | None:
+def _scored(scores_dir: str, mode: str, names: list[str], cfg: PipelineConfig) -> pa.Table | None:
+    """A held-out part's scored rollouts of ``mode``: its pieces' (``names``), in row order."""
     enabled = cfg.evaluate.greedy if mode == "greedy" else cfg.evaluate.num_samples > 0
-    return read_parquet(join(scores_dir, f"{mode}-{part_name}")) if enabled else None
+    return pa.concat_tables([read_parquet(join(scores_dir, f"{mode}-{name}")) for name in names]) if enabled else None
 
 
 def _manifest(parts: list[PartInfo], *, schema: str) -> Manifest:

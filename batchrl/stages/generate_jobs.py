@@ -48,3 +48,18 @@ def batch_parts(batch: Batch, *, num_engines: int = 1) -> list[tuple[str, Slice]
     if batch.whole_parts and slices == batch.slices:
         return [(piece.part, piece) for piece in slices]
     return [(part_name(index), piece) for index, piece in enumerate(slices)]
+
+
+def part_pieces(parts: list[tuple[str, int]], num_engines: int) -> dict[str, list[tuple[str, Slice]]]:
+    """Each part ((name, rows)) of a table generated whole (evaluate's held-out prompts) as the pieces it is generated
+    in, in row order (`engine_slices`): the part itself under its own name, or, cut, row ranges named
+    ``<part>-r<k>.parquet``. A held-out set is often one part, which kept one of the engines busy."""
+    cut: dict[str, list[Slice]] = {name: [] for name, _ in parts}
+    for piece in engine_slices(tuple(Slice(name, 0, rows) for name, rows in parts), num_engines):
+        cut[piece.part].append(piece)
+    return {
+        name: [(name, pieces[0])]
+        if len(pieces) == 1 and pieces[0].row_ids is None
+        else [(f"{name.removesuffix('.parquet')}-r{k:04d}.parquet", piece) for k, piece in enumerate(pieces)]
+        for name, pieces in cut.items()
+    }

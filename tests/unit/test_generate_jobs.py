@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from batchrl.algorithms.batches import iteration_batch
-from batchrl.stages.generate_jobs import batch_parts, engine_slices
+from batchrl.stages.generate_jobs import batch_parts, engine_slices, part_pieces
 from batchrl.storage.layout import part_name
 
 PARTS = [(part_name(k), 256) for k in range(40)]  # a 10,240-prompt table of 256-row parts
@@ -53,3 +53,15 @@ def test_fewer_prompts_than_engines_give_one_job_a_prompt():
 def test_slices_already_small_enough_are_kept_as_they_are():
     batch = iteration_batch(PARTS, seed=0, iteration=0, batch_size=None)  # 40 parts of 256 rows for 8 engines
     assert engine_slices(batch.slices, 8) == batch.slices
+
+
+def test_held_out_parts_are_cut_into_row_ranges_named_after_their_part_for_several_engines():
+    parts = [("part-00000.parquet", 5), ("part-00001.parquet", 1)]
+    one_engine = part_pieces(parts, 1)
+    assert {part: [(name, piece.row_ids) for name, piece in pieces] for part, pieces in one_engine.items()} == {
+        name: [(name, None)] for name, _ in parts
+    }  # each part whole, under its own name, as before
+    cut = part_pieces(parts, 3)  # 6 prompts, 3 engines: pieces of at most 2 prompts
+    assert [name for name, _ in cut["part-00000.parquet"]] == [f"part-00000-r{k:04d}.parquet" for k in range(3)]
+    assert [row for _, piece in cut["part-00000.parquet"] for row in piece.row_indices()] == [0, 1, 2, 3, 4]
+    assert [(name, piece.row_ids) for name, piece in cut["part-00001.parquet"]] == [("part-00001.parquet", None)]
