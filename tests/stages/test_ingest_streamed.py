@@ -69,3 +69,22 @@ def test_a_big_row_group_gives_the_table_small_row_groups_give(tmp_path, tokeniz
     assert [p.rows for p in streamed.parts] == [4] * 7 + [2]
     assert streamed.counts == chunked.counts
     assert sum(read_parquet(f"{ctx.output_dir}/{p.name}").num_rows for p in streamed.parts) == 30
+
+
+def test_a_gzipped_file_cut_short_is_a_window_naming_it_not_a_traceback(tmp_path):
+    """The reader task yields the DataError's message as a window: the worker that takes it returns it as the job's
+    error, which the driver raises (raised in the task, it would reach the user wrapped in Ray's traceback)."""
+    from batchrl.stages.ingest_worker import stream_windows
+    from batchrl.storage.inputs import describe_inputs, plan_chunks
+
+    path = tmp_path / "p.jsonl.gz"
+    whole = gzip.compress("".join(json.dumps(prompt(i)) + "\n" for i in range(2_000)).encode())
+    path.write_bytes(whole)
+    (chunk,) = plan_chunks(describe_inputs([str(path)]), rows_per_chunk=100)
+    path.write_bytes(whole[: len(whole) // 2])
+    windows = list(stream_windows(chunk.to_json(), 100))
+    assert all(isinstance(w, list) for w in windows[:-1])
+    assert (
+        windows[-1]
+        == f"{path}: bytes 0.. cannot be read (Compressed file ended before the end-of-stream marker was reached)"
+    )
