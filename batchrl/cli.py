@@ -165,12 +165,13 @@ def _print_batches(cfg: PipelineConfig, steps) -> None:
     # of another config (to redo) decides nothing
     prompts = next((s.manifest for s in steps if s.status == "done" and s.manifest.table == "prompts"), None)
     iterations = sorted({step.iteration for step in steps if step.iteration is not None})
-    if not cfg.data.prompts_per_iteration or prompts is None or not iterations:
+    batch_size = cfg.data.prompts_per_iteration or sum(cfg.data.source_counts().values())  # data.sources' counts
+    if not batch_size or prompts is None or not iterations:
         return
     to_run = sorted({s.iteration for s in steps if s.iteration is not None and s.status != "done"}) or iterations
     typer.echo(
-        f"  prompt batches (data.prompts_per_iteration={cfg.data.prompts_per_iteration}; the parts reshuffled every "
-        "epoch, and the rows inside each part):"
+        f"  prompt batches ({batch_size} prompts per iteration; the parts reshuffled every epoch, and the rows inside "
+        "each part):"
     )
     for iteration in to_run[:PLANNED_BATCHES_LISTED]:
         try:

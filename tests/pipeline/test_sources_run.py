@@ -4,6 +4,7 @@ counts what was sampled, cumulatively, with per-source metrics."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -53,6 +54,10 @@ def test_each_iteration_rolls_out_the_sources_in_their_counts_as_the_pure_functi
             ids = pq.read_table(run / "prompts" / piece.part, columns=["prompt_id"]).column("prompt_id").to_pylist()
             expected |= {ids[row] for row in piece.row_indices()}
         assert {row["prompt_id"] for row in rollouts} == expected
+    plan = cli_ok("plan", run.parent.parent / "pipeline.yaml").stdout  # lists each batch's parts, by source
+    listed = re.findall(r"^    iter (\d) \(epoch 0, batch \d+ of \d+\): (.*)$", plan, re.M)
+    assert [int(i) for i, _ in listed] == list(range(ITERATIONS)), plan
+    assert all("easy/part-" in where and "hard/part-" in where for _, where in listed)
 
 
 def test_the_prompt_statistics_table_counts_every_prompt_sampled_so_far_with_per_source_metrics(run):
