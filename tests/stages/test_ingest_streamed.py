@@ -16,7 +16,6 @@ from test_ingest_chunks import make_ctx, prompt, rejects, table_rows, tokenizer_
 from batchrl.stages import ingest as ingest_module
 from batchrl.stages.ingest import IngestStage
 from batchrl.storage import inputs as inputs_module
-from batchrl.storage import read_parquet
 
 SHARD = 4
 
@@ -32,43 +31,42 @@ def compared(rows: list[dict]) -> list[tuple]:
     return [(r["prompt_id"], r["source_row"], r["prompt_text"], r["prompt_token_ids"]) for r in rows]
 
 
-def test_a_gzipped_file_becomes_a_part_per_window_with_the_rows_and_ids_of_the_plain_file(
-    tmp_path, tokenizer_dir, ray_session
+def test_a_gzipped_file_and_a_big_row_group_become_a_part_per_window_with_the_rows_and_ids_of_plain_inputs(
+    tmp_path, tokenizer_dir, ray_session, monkeypatch
 ):
+    """Streamed on the actor pool: a .jsonl.gz of 50 records and a Parquet row group of 30 (over SPLIT_ROWS, 8
+    here), in windows of 4; against the same records from a plain .jsonl and 4-row groups, run in the driver."""
+    monkeypatch.setattr(inputs_module, "SPLIT_ROWS", 8)
     records = [prompt(i) for i in range(50)]
     records[30] = prompt(3, prompt="A later occurrence of p3")  # a duplicate in another window than its first
     del records[7]["prompt_id"]  # an id from the line's offset in the decompressed text
     text = "".join(json.dumps(r) + "\n" for r in records)
-    plain, gzipped = tmp_path / "p.jsonl", tmp_path / "gz" / "p.jsonl.gz"
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "streamed").mkdir()
+    plain, gzipped = tmp_path / "plain" / "p.jsonl", tmp_path / "streamed" / "p.jsonl.gz"
     plain.write_text(text)
-    gzipped.parent.mkdir()
     gzipped.write_bytes(gzip.compress(text.encode()))
+    rows = pa.Table.from_pylist([prompt(100 + i) for i in range(30)])
+    one_group, small_groups = tmp_path / "streamed" / "a.parquet", tmp_path / "plain" / "a.parquet"
+    pq.write_table(rows, one_group, row_group_size=30)
+    pq.write_table(rows, small_groups, row_group_size=4)
 
-    streamed = IngestStage().run(ctx := make_ctx(tmp_path / "a", tokenizer_dir, [gzipped], shard_size=SHARD))
-    whole = IngestStage().run(ctx_plain := make_ctx(tmp_path / "b", tokenizer_dir, [plain], shard_size=SHARD))
-    assert len(streamed.parts) == math.ceil(50 / SHARD)  # one part per window: the rewritten one has 3 rows
-    assert [p.rows for p in streamed.parts] == [4] * 7 + [3] + [4] * 4 + [2]
+    ctx = make_ctx(tmp_path / "a", tokenizer_dir, [gzipped, one_group], shard_size=SHARD)
+    streamed = IngestStage().run(ctx)
+    monkeypatch.setattr(ingest_module.ChunkedIngest, "_in_driver", lambda self, num_chunks, rows: True)
+    whole = IngestStage().run(
+        ctx_plain := make_ctx(tmp_path / "b", tokenizer_dir, [plain, small_groups], shard_size=SHARD)
+    )
+    # one part per window (the gzipped file's ceil(50 / 4), the row group's ceil(30 / 4)); the rewritten one has 3 rows
+    assert len(streamed.parts) == math.ceil(50 / SHARD) + math.ceil(30 / SHARD)
+    assert [p.rows for p in streamed.parts] == [4] * 7 + [3] + [4] * 4 + [2] + [4] * 7 + [2]
+    assert [p.name for p in streamed.parts[:2]] == ["part-00000.parquet", "part-00000-w000001-0000.parquet"]
     assert compared(table_rows(ctx, streamed)) == compared(table_rows(ctx_plain, whole))
     offset = sum(len(json.dumps(r)) + 1 for r in records[:7])  # of line 8 in the decompressed text
     assert table_rows(ctx, streamed)[7]["prompt_id"] == f"p-{offset}"
     assert rejects(ctx, streamed) == [("p.jsonl.gz",) + r[1:] for r in rejects(ctx_plain, whole)]
     assert [reason for _, _, reason, _ in rejects(ctx, streamed)] == ["duplicate_prompt_id"]
     assert streamed.counts == whole.counts
-
-
-def test_a_big_row_group_gives_the_table_small_row_groups_give(tmp_path, tokenizer_dir, ray_session, monkeypatch):
-    monkeypatch.setattr(inputs_module, "SPLIT_ROWS", 8)
-    rows = [prompt(i) for i in range(30)]
-    one_group, small_groups = tmp_path / "one" / "a.parquet", tmp_path / "small" / "a.parquet"
-    for path, size in ((one_group, 30), (small_groups, 4)):
-        path.parent.mkdir()
-        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=size)
-    streamed = IngestStage().run(ctx := make_ctx(tmp_path / "a", tokenizer_dir, [one_group], shard_size=SHARD))
-    chunked = IngestStage().run(ctx_small := make_ctx(tmp_path / "b", tokenizer_dir, [small_groups], shard_size=SHARD))
-    assert compared(table_rows(ctx, streamed)) == compared(table_rows(ctx_small, chunked))
-    assert [p.rows for p in streamed.parts] == [4] * 7 + [2]
-    assert streamed.counts == chunked.counts
-    assert sum(read_parquet(f"{ctx.output_dir}/{p.name}").num_rows for p in streamed.parts) == 30
 
 
 def test_a_gzipped_file_cut_short_is_a_window_naming_it_not_a_traceback(tmp_path):
