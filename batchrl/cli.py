@@ -9,6 +9,7 @@ unreachable beyond the retries): the same command resumes the run.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -565,6 +566,7 @@ def main() -> None:
     exception"). The cause was Arrow's thread pool freeing those buffers during finalisation (apache/arrow#50482),
     and storage no longer hands Arrow such buffers (see storage/fs.py; tests/unit/test_parquet_reads.py).
     """
+    faulthandler.enable(all_threads=True)  # a native abort in the driver names the Python lines it happened under
     _user_code_importable_from_cwd()
     try:
         result = app(standalone_mode=False)  # a command's typer.Exit(code) comes back as its return value

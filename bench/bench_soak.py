@@ -11,9 +11,16 @@ processes did ("... died of SIGABRT in iter 9 update; details in ..."), or any p
 ("free():", "double free", "corrupted", "terminate called", "Segmentation fault", "Fatal Python error"). For each
 crash the table below the result names the run, the signal and the stage, and the crash log's path.
 
-Environment: glibc's heap checks are on for every process of the runs (MALLOC_CHECK_=3, MALLOC_PERTURB_=165), so
-heap damage aborts where it happens rather than at some later free(); core dumps are enabled (RLIMIT_CORE) and
-land where the kernel's core_pattern says.
+Environment: every process of the runs gets MALLOC_PERTURB_=165 (freed and new memory filled, so a use after free
+reads garbage rather than the old values) and MALLOC_CHECK_=3 with glibc's debug allocator preloaded where it
+exists (libc_malloc_debug.so.0: since glibc 2.34, MALLOC_CHECK_ alone does nothing). Whether the check mode is
+really on is tested, not assumed: a child with the same environment frees one block twice, and the bench prints
+"heap checks: on" only if glibc's check mode caught it ("free(): invalid pointer"), "off" if only glibc's always-on
+tcache check did (with the venv's pyenv Python 3.11 the preload did not switch it on; Debian's python3 it did).
+An earlier version of this docstring said the checks were on: they were not, in the 0/22 soak of issue 30.
+Every Python process of a run (the CLI, the update ranks) enables faulthandler, so a native abort prints every
+thread's Python stack into the run's log or the rank's crash log. Core dumps are enabled (RLIMIT_CORE) and land
+where the kernel's core_pattern says.
 
 Target: 0 crashes in N (N=20 by default: `python bench/bench_soak.py 20`; `make bench BENCH=soak` runs the
 default, `BATCHRL_SOAK_RUNS=5 make bench BENCH=soak` another N). It takes N times a quickstart run: ~2-4 min
@@ -37,7 +44,22 @@ from harness import REPO
 NATIVE_WORDS = re.compile(
     r"free\(\):|double free|corrupted|terminate called|Segmentation fault|Fatal Python error|died of (SIG[A-Z]+)"
 )
-HEAP_CHECKS = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"}
+DEBUG_MALLOC = Path("/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0")
+HEAP_CHECKS = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"} | (
+    {"LD_PRELOAD": str(DEBUG_MALLOC)} if DEBUG_MALLOC.exists() else {}
+)
+DOUBLE_FREE = (
+    "import ctypes; libc = ctypes.CDLL(None); libc.malloc.restype = ctypes.c_void_p; "
+    "libc.free.argtypes = [ctypes.c_void_p]; p = libc.malloc(64); libc.free(p); libc.free(p)"
+)
+
+
+def heap_checks() -> str:
+    """Whether glibc's check mode is on in a Python child of the soak's environment: it frees a block twice."""
+    child = subprocess.run([sys.executable, "-c", DOUBLE_FREE], env=os.environ | HEAP_CHECKS, capture_output=True)
+    said = child.stderr.decode(errors="replace").strip().splitlines()
+    words = said[-1] if said else f"exit {child.returncode}"
+    return ("on" if "invalid pointer" in words else "off, glibc's always-on checks only") + f" ({words})"
 
 
 def runs(n: int) -> list[tuple[str, str, list[str]]]:
@@ -93,6 +115,7 @@ def main(n: int) -> None:
         root, logs = Path(tmp) / "runs", Path(os.environ.get("BATCHRL_SOAK_LOGS", tmp)) / "soak-logs"
         logs.mkdir(parents=True, exist_ok=True)
         results = []
+        print(f"heap checks: {heap_checks()}; environment {HEAP_CHECKS}", flush=True)
         for run_id, pipeline, sets in runs(n):
             result = one_run(root, run_id, pipeline, sets, logs=logs)
             results.append(result)

@@ -32,6 +32,7 @@ by the ranks) and checked against the sha256 its writer recorded, `spec.trainer_
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import gc
 import hashlib
 import logging
@@ -450,6 +451,9 @@ def main() -> None:
     """Entry point of one rank. Logging is configured here because this is a process's main, like cli.py."""
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m batchrl.trainer.worker SPEC.json | --serve")
+    # A native abort (issue 30's "free(): invalid size" in a rank) prints every thread's Python stack to stderr,
+    # which the launcher keeps in the rank's crash log: the next one names the Python line it happened under.
+    faulthandler.enable(all_threads=True)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s")
     try:
