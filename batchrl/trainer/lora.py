@@ -125,10 +125,6 @@ def build_lora_model(
     return model
 
 
-def is_lora(model: torch.nn.Module) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
-
-
 class AdapterDisabled:
     """The reference policy of a LoRA update: calls `model` with its adapter disabled (the base weights, shared,
     not copied). Everything else (config, forward's signature, reshard) is the model's."""
