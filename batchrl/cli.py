@@ -161,6 +161,7 @@ def _print_batches(cfg: PipelineConfig, steps) -> None:
     from batchrl.algorithms.batches import described
     from batchrl.errors import DataError
     from batchrl.stages.generate import prompt_batch
+    from batchrl.stages.generate_batches import stats_committed
 
     # the training prompts (not the held-out ones, of the same schema) as this config makes them: a committed table
     # of another config (to redo) decides nothing
@@ -174,9 +175,15 @@ def _print_batches(cfg: PipelineConfig, steps) -> None:
         f"  prompt batches ({batch_size} prompts per iteration; the parts reshuffled every epoch, and the rows inside "
         "each part):"
     )
+    input_dirs = {s.iteration: s.input_dirs for s in steps if s.name == "generate"}
     for iteration in to_run[:PLANNED_BATCHES_LISTED]:
+        dirs = input_dirs.get(iteration)
+        if cfg.data.curriculum and not stats_committed(dirs):
+            # the batch skips what the previous iteration's prompt_stats says is solved
+            typer.echo(f"    iter {iteration}: data.curriculum: decided by iteration {iteration - 1}'s prompt_stats")
+            break
         try:
-            batch = prompt_batch(cfg, iteration, prompts)
+            batch = prompt_batch(cfg, iteration, prompts, dirs)
         except DataError as err:  # data.sources: a source smaller than its count (the run stops there too)
             typer.echo(f"    data error: {err}")
             return

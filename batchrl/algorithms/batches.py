@@ -59,6 +59,7 @@ class Batch:
     slices: tuple[Slice, ...]
     whole_parts: bool  # every slice is a whole part, in table order (prompts_per_iteration unset or >= the table)
     sources: tuple = ()  # a mixed batch (data.sources): each source's `mixing.SourceShare`, in the sources' order
+    skipped: int = 0  # data.curriculum: prompts passed over as solved (`curriculum.curriculum_batch`)
 
     @property
     def rows(self) -> int:

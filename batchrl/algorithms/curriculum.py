@@ -37,12 +37,6 @@ class CurriculumRule:
     revisit: float = 0.0  # the chance a skipped prompt is taken anyway, in [0, 1)
 
 
-@dataclass(frozen=True)
-class CurriculumBatch:
-    batch: Batch
-    skipped: int  # prompts passed over (solved) before the batch was full
-
-
 def revisited(prompt_id: str, *, seed: int, iteration: int, revisit: float) -> bool:
     """Whether a skipped prompt is taken anyway at ``iteration``: a keyed hash of (seed, iteration, prompt id) as a
     number in [0, 1), below ``revisit``."""
@@ -72,7 +66,7 @@ def curriculum_batch(
     iteration: int,
     batch_size: int,
     key: str = "",
-) -> CurriculumBatch:
+) -> Batch:
     """Iteration ``iteration``'s ``batch_size`` prompts of ``parts`` ((name, rows) in table order; ``prompt_ids``:
     each part's ids by row; ``streaks``: solved_streak by prompt id, from the previous iteration's prompt_stats), by
     the rule of the module docstring. ``key`` keys the parts' order as `iteration_batch`'s ``stream`` does."""
@@ -97,8 +91,8 @@ def curriculum_batch(
         else:
             taken.append(place)
     filled = passed[: batch_size - len(taken)]  # a pass over the whole source was not enough: the batch stays full
-    batch = Batch(iteration, epoch, index, per_epoch, slices_of(taken + filled), whole_parts=False)
-    return CurriculumBatch(batch, skipped=len(passed) - len(filled))
+    skipped = len(passed) - len(filled)  # Batch.skipped: prompts passed over (solved) before the batch was full
+    return Batch(iteration, epoch, index, per_epoch, slices_of(taken + filled), whole_parts=False, skipped=skipped)
 
 
 def slices_of(places: list[tuple[str, int]]) -> tuple[Slice, ...]:

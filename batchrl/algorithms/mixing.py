@@ -22,9 +22,13 @@ exactly, so a source's share of the update is the same every step and per-source
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchrl.algorithms.batches import Batch, iteration_batch
+
+# (the source's parts, its count, its stream key) -> its slice of the batch: `iteration_batch` unless data.curriculum
+Choose = Callable[[list[tuple[str, int]], int, str], Batch]
 
 
 @dataclass(frozen=True)
@@ -69,24 +73,31 @@ def source_of_part(part: str) -> str | None:
     return head if slash and not head.startswith("_") else None
 
 
-def mixed_batch(parts: list[tuple[str, int]], *, counts: dict[str, int], seed: int, iteration: int) -> Batch:
+def mixed_batch(
+    parts: list[tuple[str, int]], *, counts: dict[str, int], seed: int, iteration: int, choose: Choose | None = None
+) -> Batch:
     """Iteration ``iteration``'s prompts: ``counts[s]`` from each source s's own stream over its parts of ``parts``
-    ((name, rows) in table order), the sources' slices in ``counts``' order. ValueError naming the source when it has
-    fewer prompts than its count (a prompt would be twice in one batch, and its group would not be whole)."""
+    ((name, rows) in table order), the sources' slices in ``counts``' order; ``choose``: how a source's slice is
+    drawn (data.curriculum), else its uniform stream. ValueError naming the source when it has fewer prompts than its
+    count (a prompt would be twice in one batch, and its group would not be whole)."""
     by_source: dict[str, list[tuple[str, int]]] = {name: [] for name in counts}
     for name, rows in parts:
         source = source_of_part(name)
         if source in by_source:
             by_source[source].append((name, rows))
-    slices, shares = [], []
+    slices, shares, skipped = [], [], 0
     for source, count in counts.items():
         available = sum(rows for _, rows in by_source[source])
         if count > available:
             raise ValueError(f"source {source!r} has {available} prompt(s), fewer than its {count} per iteration")
         if count == 0:
             continue
-        batch = iteration_batch(by_source[source], seed=seed, iteration=iteration, batch_size=count, stream=source)
+        if choose is None:
+            batch = iteration_batch(by_source[source], seed=seed, iteration=iteration, batch_size=count, stream=source)
+        else:
+            batch = choose(by_source[source], count, source)
         slices += batch.slices
+        skipped += batch.skipped
         shares.append(SourceShare(source, count, batch.epoch, batch.index_in_epoch, batch.batches_per_epoch))
     # the batch's epoch is its most advanced source's: how many times some source has started over
     lead = max(shares, key=lambda share: (share.epoch, -share.batches_per_epoch))
@@ -98,4 +109,5 @@ def mixed_batch(parts: list[tuple[str, int]], *, counts: dict[str, int], seed: i
         tuple(slices),
         whole_parts=False,
         sources=tuple(shares),
+        skipped=skipped,
     )

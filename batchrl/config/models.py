@@ -223,6 +223,17 @@ class PipelineConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_curriculum(self) -> PipelineConfig:
+        # with overlap, iteration i's rollouts start before iteration i-1's prompt_stats exist
+        if self.data.curriculum is not None and self.run.max_staleness:
+            raise ValueError(
+                f"data.curriculum with run.max_staleness={self.run.max_staleness}: iteration i's batch reads "
+                "iteration i-1's prompt_stats, which the overlap has not made yet when i's rollouts start; set "
+                "run.max_staleness: 0"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_judge(self) -> PipelineConfig:
         problem = judge_term_problem(self.judge, terms=self.score.rewards)
         if problem is None and self.judge is not None:

@@ -51,6 +51,25 @@ class SourceConfig(_Strict):
         return self
 
 
+class CurriculumConfig(_Strict):
+    """data.curriculum: difficulty-aware batches from the previous iteration's prompt_stats (README, 'Mixing data
+    sources')."""
+
+    skip_solved_streak: int = Field(
+        ge=1,
+        description="Pass over a prompt whose group passed in every sample this many iterations in a row "
+        "(prompt_stats.solved_streak); its place goes to the next prompt of its source's stream. Unseen prompts are "
+        "never skipped.",
+    )
+    revisit: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="The chance a prompt to skip is taken anyway (a keyed hash of seed, iteration and prompt id): a "
+        "floor of exploration that checks solved prompts again.",
+    )
+
+
 class DataConfig(_Strict):
     train_files: list[str] = Field(
         ...,
@@ -74,6 +93,12 @@ class DataConfig(_Strict):
     )
     pass_threshold: float = Field(
         0.5, description="A sample passes (prompt_stats' pass rate) when its score is above this."
+    )
+    curriculum: CurriculumConfig | None = Field(
+        None,
+        description="Difficulty-aware batches: skip the prompts solved data.curriculum.skip_solved_streak iterations "
+        "in a row, read from the previous iteration's prompt_stats (kept when this is set). Needs "
+        "data.prompts_per_iteration or data.sources, and run.max_staleness: 0.",
     )
     shard_size: int = Field(
         256, ge=1, description="Prompts per shard of the prompts table; the unit of work and of resume."
@@ -124,6 +149,15 @@ class DataConfig(_Strict):
         if raw.get("train_files") is not None and list(raw["train_files"]) != files:
             raise ValueError("give data.train_files or data.sources, not both (each source lists its own files)")
         return {**raw, "train_files": files or raw.get("train_files")}
+
+    @model_validator(mode="after")
+    def _check_curriculum(self) -> DataConfig:
+        if self.curriculum is not None and self.prompts_per_iteration is None and self.sources is None:
+            raise ValueError(
+                "data.curriculum needs data.prompts_per_iteration (or data.sources): without a batch size every "
+                "iteration is the whole table, and there is nothing to skip to"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:

@@ -173,7 +173,7 @@ class Plan:
             _set_status(step, checksums=self._checksums)
             inputs = {table: getattr(self.by_dir.get(d), "manifest", None) for table, d in step.input_dirs.items()}
             if step.status == "partial" and step.sharded and inputs and all(m is not None for m in inputs.values()):
-                parts = self.stages[step.name].output_parts(self.cfg, step.iteration, inputs)
+                parts = self.stages[step.name].planned_parts(self.cfg, step.iteration, inputs, step.input_dirs)
                 step.parts_total = len(parts)
             _check_recorded_inputs(step, self.by_dir, self.lineage)
 
@@ -220,7 +220,10 @@ class _Chain:
         elif stage.reads_policy == "behaviour":
             policy_in, policy_in_fp = behaviour
         sources = {t: self.tables[source_table(t, stage.name)] for t in stage.inputs if t != POLICY}
-        fingerprinted = [t for t in stage.inputs if t not in stage.covered_inputs]
+        # the iteration before's (planned earlier in the chain): none at a run's first iteration
+        previous_tables = [t for t in stage.previous_tables(cfg) if t in self.tables]
+        sources |= {t: self.tables[t] for t in previous_tables}
+        fingerprinted = [t for t in stage.inputs if t not in stage.covered_inputs] + previous_tables
         upstream = [policy_in_fp if t == POLICY else sources[t][1] for t in fingerprinted]
         config = dict(stage.fingerprint_config(cfg), iteration=iteration)
         if stage.reads_train_files and self.lineage.skips_seen_files(cfg):

@@ -160,6 +160,19 @@ class Stage:
         """Its contribution to an iteration's metrics (``timings``: the iteration's timing_s/* so far)."""
         return dict(manifest.stats)
 
+    def previous_tables(self, cfg: PipelineConfig) -> tuple[str, ...]:
+        """Tables of the iteration before that the stage reads too (generate with data.curriculum: prompt_stats),
+        in its fingerprint and input_dirs where one is planned. Not in the run order: within an iteration they are
+        made after it, so declaring them as ``inputs`` would be a cycle."""
+        return ()
+
+    def planned_parts(
+        self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest], input_dirs: dict[str, str]
+    ) -> list[str]:
+        """`output_parts`, for a stage whose parts depend on what its inputs hold, not only on their manifests
+        (generate with data.curriculum reads prompt ids and prompt_stats): the runner and the plan call this."""
+        return self.output_parts(cfg, iteration, inputs)
+
     def output_parts(self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest]) -> list[str]:
         """A sharded stage's part names at ``iteration``, given its committed input manifests: one part per part
         of its first input table, of the same name (generate writes one per slice of its prompt batch). The runner

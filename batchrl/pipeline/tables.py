@@ -73,7 +73,7 @@ class Tables:
         keep = {MANIFEST_NAME, STARTED_MARKER, JOURNAL_DIR}  # the journal's records are checked against the parts
         if is_sharded(stage):
             inputs = self.input_manifests(stage, step.iteration)
-            keep |= set(stage.output_parts(self.plan.cfg, step.iteration, inputs)) - set(step.damaged)
+            keep |= set(stage.planned_parts(self.plan.cfg, step.iteration, inputs, step.input_dirs)) - set(step.damaged)
         elif stage.resumes_from_journal:  # its journal says what is done; a damaged part goes, so it is redone
             keep |= set(names)
             for name in step.damaged:
@@ -93,7 +93,9 @@ class Tables:
     def input_digests(self, step: PlannedStage) -> dict[str, str]:
         """What ``step`` is made from, for its manifest: the content digest of each input as committed now."""
         plan = self.plan
-        return {t: current_input_digest(step, t, plan.by_dir, plan.lineage) for t in plan.stages[step.name].inputs}
+        inputs = plan.stages[step.name].inputs
+        inputs += tuple(t for t in step.input_dirs if t not in inputs)  # a table of the iteration before (curriculum)
+        return {t: current_input_digest(step, t, plan.by_dir, plan.lineage) for t in inputs}
 
     def commit(self, step: PlannedStage, manifest: Manifest, *, previous: Manifest | None) -> None:
         """Writes ``step``'s manifest, last: after deleting the later outputs made from other content than it lists

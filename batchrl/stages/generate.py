@@ -29,8 +29,7 @@ import pyarrow as pa
 from batchrl.agents.columns import tool_stats
 from batchrl.agents.environment import environment_stats
 from batchrl.agents.tools import tool_digests
-from batchrl.algorithms.batches import Batch, batches_per_epoch, iteration_batch
-from batchrl.algorithms.mixing import mixed_batch
+from batchrl.algorithms.batches import Batch, batches_per_epoch
 from batchrl.config import PipelineConfig
 from batchrl.config.models import fingerprint_dump
 from batchrl.errors import DataError
@@ -38,6 +37,7 @@ from batchrl.pipeline.deadlines import DeadlineStats, run_with_deadlines, task_r
 from batchrl.pipeline.shards import FinishedShards, ShardWorker, map_shards, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.references import source_digest
+from batchrl.stages.generate_batches import prompt_batch
 from batchrl.stages.generate_jobs import batch_parts
 from batchrl.storage import join, local_copy
 from batchrl.storage.manifest import Manifest
@@ -356,6 +356,7 @@ class GenerateStage(Stage):
             }
             | (batches if cfg.data.prompts_per_iteration else {})
             | ({"source_counts": cfg.data.source_counts()} if cfg.data.sources else {})
+            | ({"curriculum": fingerprint_dump(cfg.data.curriculum)} if cfg.data.curriculum else {})
             | agent_code(cfg)
         )
 
@@ -365,13 +366,22 @@ class GenerateStage(Stage):
             return None
         return cfg.run.epochs * batches_per_epoch(prompts.num_rows, cfg.data.prompts_per_iteration)
 
-    def output_parts(self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest]) -> list[str]:
-        batch = prompt_batch(cfg, iteration, inputs["prompts"])
+    def previous_tables(self, cfg: PipelineConfig) -> tuple[str, ...]:
+        # data.curriculum: iteration i's batch skips what iteration i-1's prompt_stats says is solved
+        return ("prompt_stats",) if cfg.data.curriculum else ()
+
+    def planned_parts(
+        self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest], input_dirs: dict[str, str]
+    ) -> list[str]:
+        batch = prompt_batch(cfg, iteration, inputs["prompts"], input_dirs)
         return [name for name, _ in batch_parts(batch, num_engines=cfg.generate.num_actors)]
+
+    def output_parts(self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest]) -> list[str]:
+        return self.planned_parts(cfg, iteration, inputs, {})  # without data.curriculum, the manifests decide
 
     def run(self, ctx: StageContext) -> StageOutput:
         g = ctx.cfg.generate
-        batch = prompt_batch(ctx.cfg, ctx.iteration, ctx.inputs["prompts"])
+        batch = prompt_batch(ctx.cfg, ctx.iteration, ctx.inputs["prompts"], ctx.input_dirs)
         sha256 = {part.name: part.sha256 for part in ctx.inputs["prompts"].parts}
         all_jobs = [
             {
@@ -441,7 +451,9 @@ class GenerateStage(Stage):
         return StageOutput(
             parts=[parts[job["name"]] for job in all_jobs],
             counts={k: int(v) for k, v in counts.items() if not k.endswith("_s")},
-            stats=_stats(counts, timings) | batch_stats(batch),
+            stats=_stats(counts, timings)
+            | batch_stats(batch)
+            | ({"data/curriculum_skipped": batch.skipped} if ctx.cfg.data.curriculum else {}),
         )
 
 
@@ -452,23 +464,6 @@ def agent_code(cfg: PipelineConfig) -> dict[str, Any]:
     if cfg.generate.environment is not None:
         return {"environment_source": source_digest(cfg.generate.environment.call)}
     return {"tool_sources": tool_digests(cfg.generate.tools)} if cfg.generate.tools else {}
-
-
-def prompt_batch(cfg: PipelineConfig, iteration: int | None, prompts: Manifest) -> Batch:
-    """The prompts ``iteration`` rolls out (see batchrl.algorithms.batches): all of them when
-    data.prompts_per_iteration is unset; with data.sources, each source's count from its own stream (`mixing`)."""
-    parts = [(part.name, part.rows) for part in prompts.parts]
-    if cfg.data.sources:
-        try:
-            return mixed_batch(parts, counts=cfg.data.source_counts(), seed=cfg.run.seed, iteration=iteration or 0)
-        except ValueError as err:
-            raise DataError(f"data.sources: {err} (lower its weight or count, or add prompts)") from None
-    return iteration_batch(
-        parts,
-        seed=cfg.run.seed,
-        iteration=iteration or 0,
-        batch_size=cfg.data.prompts_per_iteration,
-    )
 
 
 def batch_stats(batch: Batch) -> dict[str, float]:

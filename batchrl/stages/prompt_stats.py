@@ -45,7 +45,7 @@ GROUP_COLUMNS = ["prompt_id", "source", "data_source", "scores"]
 
 
 def stats_enabled(cfg: PipelineConfig) -> bool:
-    return cfg.data.prompt_stats or cfg.data.sources is not None
+    return cfg.data.prompt_stats or cfg.data.sources is not None or cfg.data.curriculum is not None
 
 
 @register

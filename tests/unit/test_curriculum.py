@@ -27,7 +27,7 @@ def batch(streaks: dict[str, int], iteration: int = 0, rule: CurriculumRule = SK
 def test_without_a_solved_prompt_the_batch_is_the_uniform_one():
     for iteration in range(5):
         made = batch({pid: 1 for pid in uniform(iteration)}, iteration=iteration)  # streak 1 < k = 2
-        assert ids_of(made.batch) == uniform(iteration)
+        assert ids_of(made) == uniform(iteration)
         assert made.skipped == 0
 
 
@@ -35,7 +35,7 @@ def test_prompts_solved_k_times_in_a_row_are_skipped_and_the_next_in_the_stream_
     first = uniform(0)
     solved = {first[0]: 2, first[1]: 5}
     made = batch(solved)
-    taken = ids_of(made.batch)
+    taken = ids_of(made)
     assert made.skipped == 2
     assert len(taken) == 4 and len(set(taken)) == 4
     assert first[0] not in taken and first[1] not in taken
@@ -48,7 +48,7 @@ def test_unseen_prompts_are_never_skipped_and_new_ids_join_as_unseen():
     every_id = [pid for ids in IDS.values() for pid in ids]
     streaks = {pid: 3 for pid in every_id[:8]}  # the last 4 prompts were never sampled
     for iteration in range(4):
-        taken = ids_of(batch(streaks, iteration=iteration).batch)
+        taken = ids_of(batch(streaks, iteration=iteration))
         assert set(every_id[8:]) <= set(taken)
 
 
@@ -56,7 +56,7 @@ def test_a_pass_over_the_whole_source_that_finds_too_few_fills_the_batch_with_sk
     every_id = [pid for ids in IDS.values() for pid in ids]
     streaks = {pid: 9 for pid in every_id[2:]}  # 2 of 12 left to learn from, batch of 4
     made = batch(streaks)
-    taken = ids_of(made.batch)
+    taken = ids_of(made)
     assert len(taken) == 4 and len(set(taken)) == 4
     assert set(every_id[:2]) <= set(taken)
     assert made.skipped == 10 - 2  # the two used to fill are not counted as skipped
@@ -70,7 +70,7 @@ def test_the_revisit_floor_takes_a_share_of_the_solved_prompts_anyway():
     every_id = [pid for ids in IDS.values() for pid in ids]
     solved = {pid: 5 for pid in every_id}
     always = batch(solved, rule=CurriculumRule(skip_solved_streak=1, revisit=0.999999))
-    assert ids_of(always.batch) == uniform(0) and always.skipped == 0
+    assert ids_of(always) == uniform(0) and always.skipped == 0
 
 
 def test_the_batch_is_a_pure_function_of_its_inputs():
@@ -78,4 +78,4 @@ def test_the_batch_is_a_pure_function_of_its_inputs():
     rule = CurriculumRule(skip_solved_streak=2, revisit=0.3)
     made = [batch(streaks, iteration=2, rule=rule) for _ in range(3)]
     assert made[0] == made[1] == made[2]
-    assert ids_of(batch(streaks, iteration=3, rule=rule).batch) != ids_of(made[0].batch)
+    assert ids_of(batch(streaks, iteration=3, rule=rule)) != ids_of(made[0])
