@@ -62,6 +62,17 @@ def fresh_lineage(cfg: PipelineConfig) -> Lineage:
     )
 
 
+def carried_table(lineage: Lineage, table: str) -> tuple[str, str] | None:
+    """(directory, fingerprint) of ``table`` as committed beside the warm-start policy (its sibling in that run's
+    iter_NNNN/), None on a fresh run or where that run has none: the prompt_stats a nightly run carries forward, so
+    that tonight starts from what last night learned about each prompt (issue 37, item 4)."""
+    if lineage.init_from is None:
+        return None
+    table_dir = join(lineage.initial_policy.rstrip("/").rsplit("/", 1)[0], table)
+    manifest = read_manifest(table_dir)
+    return None if manifest is None else (table_dir, manifest.fingerprint)
+
+
 def read_lineage(run_dir: str) -> Lineage | None:
     fs, path = resolve(RunLayout(run_dir).lineage)
     try:

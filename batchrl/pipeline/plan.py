@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrl.config import ConfigError, PipelineConfig
-from batchrl.pipeline.lineage import Lineage, fresh_lineage, resolve_lineage, seen_fingerprint
+from batchrl.pipeline.lineage import Lineage, carried_table, fresh_lineage, resolve_lineage, seen_fingerprint
 from batchrl.pipeline.stage import (
     CODE_KEYS,
     POLICY,
@@ -178,12 +178,18 @@ class Plan:
             _check_recorded_inputs(step, self.by_dir, self.lineage)
 
 
+CARRIED_TABLE = "prompt_stats"  # a table a warm start reads from its previous run (`Stage.previous_tables`)
+
+
 class _Chain:
     """What planning carries from step to step: each table's latest directory and fingerprint, and the policies by
     version (version v is iteration v's input policy; 0 is the initial one)."""
 
     def __init__(self, lineage: Lineage, *, after: list[PlannedStage] = ()):
         self.tables: dict[str, tuple[str, str]] = {STAGES[s.name].table: (s.output_dir, s.fingerprint) for s in after}
+        carried = carried_table(lineage, CARRIED_TABLE) if CARRIED_TABLE not in self.tables else None
+        if carried is not None:  # a warm start: iteration 0 reads the previous run's, as a later one reads i-1's
+            self.tables[CARRIED_TABLE] = carried
         self.config_fps = {s.fingerprint: s.config_fingerprint for s in after}  # a fingerprint -> its config's
         self.lineage = lineage
         self.policies = {0: (lineage.initial_policy, lineage.initial_policy_fingerprint)}

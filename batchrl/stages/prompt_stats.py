@@ -18,6 +18,10 @@ cannot read its own table (the registry refuses a cycle), and what i-1's table w
 (i's scores come from the policy i-1's update trained, itself made from i-1's scores). So a redone iteration redoes
 every later one through the policy, and `--from-stage prompt_stats` redoes the stage from that iteration on, in order.
 
+A warm start (run.init_from) carries the table forward: iteration 0 goes on from the prompt_stats beside the policy
+it starts from (`lineage.carried_table`, declared as `previous_tables`, so in the fingerprint), so a nightly chain
+keeps what each night learned about each prompt; a prompt new tonight has no row there and joins as unseen.
+
 Metrics (the iteration's groups, from the scores table the advantage stage reads): ``score/reward_mean/<source>`` and
 ``score/pass_rate/<source>`` per data.sources name; ``data/zero_advantage_groups`` (and ``/<source>``): groups whose
 samples all scored the same, whose group-relative advantages are all zero (a step that learns nothing from them);
@@ -62,12 +66,20 @@ class PromptStatsStage(Stage):
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         return {"pass_threshold": cfg.data.pass_threshold}
 
+    def previous_tables(self, cfg: PipelineConfig) -> tuple[str, ...]:
+        # a warm start: iteration 0 goes on from the table of the run it starts from (`lineage.carried_table`)
+        return (self.table,) if cfg.run.init_from else ()
+
     def output_parts(self, cfg: PipelineConfig, iteration: int | None, inputs: dict[str, Manifest]) -> list[str]:
         return [PART]
 
     def run(self, ctx: StageContext) -> StageOutput:
         iteration = ctx.iteration or 0
         previous = None
+        carried = ctx.input_dirs.get(self.table) if iteration == 0 else None
+        if carried is not None:  # run.init_from: what the previous run learned about each prompt
+            manifest = read_manifest(carried)
+            previous = read_parquet(join(carried, PART)) if manifest is not None and manifest.parts else None
         if iteration > 0:
             previous_dir = ctx.layout.table_dir(self.table, iteration - 1)
             manifest = read_manifest(previous_dir)
