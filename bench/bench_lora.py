@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from bench_update_memory import free_port
 from peak_rss import peak_rss_mb
 
 MODEL = dict(hidden_size=768, intermediate_size=2048, num_layers=12, num_attention_heads=12, num_key_value_heads=4)
@@ -103,14 +104,6 @@ def measure(spec_path: str) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     report = {"peak_rss_mb": peak_rss_mb(), "baseline_mb": baseline_mb, "optimizer_state_bytes": state_bytes}
     print(json.dumps(report | {"step_s": step_s, "trainable": trainable}))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_mode(tmp: Path, name: str, *, policy: Path, files: list[str], lora: dict | None) -> dict:
