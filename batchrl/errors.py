@@ -49,6 +49,9 @@ def type_phrase(value: object) -> str:
     return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
+NOTE_CHARS = 4000  # of a crashed process's output, in its ProcessCrash's note
+
+
 class ProcessCrash(RuntimeError):
     """A process of the run died of a signal (SIGABRT, SIGSEGV, SIGKILL, ...) rather than raising: an update rank,
     or an actor that Ray's retries could not bring through its job. Not the user's doing (exit 1), but not a
@@ -63,6 +66,8 @@ class ProcessCrash(RuntimeError):
         self.details = details
         self.stage: str | None = None
         self.log_path: str | None = None
+        if details:  # shown under a traceback (a test's report, --verbose), never in the command's one line
+            self.add_note(f"the last output of {process}:\n{details[-NOTE_CHARS:]}")
 
     def one_line(self) -> str:
         where = f" in {self.stage}" if self.stage else ""
