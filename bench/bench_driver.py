@@ -33,11 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness: tests/harness.py
 from harness import REPO, TEST_PYTHONPATH, cli_ok, environment, free_port, write_pipeline
 
-# The tests' pipeline scores with custom_rewards:digit_count (tests/stages): the fingerprints this process writes
-# into the synthetic manifests must hold its code digest as the measured processes compute it, or the committed
-# score is stale to them (it was: every run of this benchmark failed at the resumed stage start).
-sys.path[:0] = [str(p) for p in TEST_PYTHONPATH]
-
 from batchrl.api import PlannedStage, build_plan
 from batchrl.config import load_pipeline
 from batchrl.pipeline.lineage import fresh_lineage
@@ -47,6 +42,11 @@ from batchrl.pipeline.stage import STAGES
 from batchrl.storage.manifest import Manifest, PartInfo, write_manifest
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+# The tests' pipeline scores with custom_rewards:digit_count (tests/stages): the fingerprints this process writes
+# into the synthetic manifests must hold its code digest as the measured processes compute it, or the committed
+# score is stale to them (it was: every run of this benchmark failed at the resumed stage start).
+sys.path[:0] = [str(p) for p in TEST_PYTHONPATH]
 
 
 def pipeline(tmp: Path, *, root: str, iterations: int) -> Path:
