@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from bench_update_memory import free_port
+from bench_update_memory import free_port, measured_in_child
 from peak_rss import peak_rss_mb
 
 MODEL = dict(hidden_size=768, intermediate_size=2048, num_layers=12, num_attention_heads=12, num_key_value_heads=4)
@@ -132,13 +130,7 @@ def run_mode(tmp: Path, name: str, *, policy: Path, files: list[str], lora: dict
     )
     out.mkdir(parents=True)
     spec.to_json(out / "spec.json")
-    result = subprocess.run(
-        [sys.executable, __file__, "--measure", str(out / "spec.json")], capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        sys.stderr.write(result.stderr[-4000:])
-        raise SystemExit(f"the {name} update failed")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return measured_in_child(__file__, out / "spec.json", what=f"the {name} update")
 
 
 def main() -> None:

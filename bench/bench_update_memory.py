@@ -144,12 +144,18 @@ def update_peak(tmp: Path, *, policy: Path, num_samples: int, vocab_size: int) -
         ),
     )
     spec.to_json(out / "spec.json")
+    return measured_in_child(__file__, out / "spec.json", what=f"the update of {num_samples} samples")
+
+
+def measured_in_child(script: str, spec_path: Path, *, what: str) -> dict:
+    """What `script --measure spec_path` printed as its last line (JSON), run in a fresh process so that its peak
+    RSS is the update's alone; stops the benchmark, with the child's stderr, if it failed."""
     result = subprocess.run(
-        [sys.executable, __file__, "--measure", str(out / "spec.json")], capture_output=True, text=True, check=False
+        [sys.executable, script, "--measure", str(spec_path)], capture_output=True, text=True, check=False
     )
     if result.returncode != 0:
         sys.stderr.write(result.stderr[-4000:])
-        raise SystemExit(f"the update of {num_samples} samples failed")
+        raise SystemExit(f"{what} failed")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
