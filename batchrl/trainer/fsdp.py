@@ -44,6 +44,7 @@ def init_distributed(spec: UpdateSpec) -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    import_distributed_modules()  # before the group exists: see close_process_group
     # On GPU, gloo serves the collectives on CPU tensors: DCP's object gathers and, with CPU offload, the
     # gradient-norm reduction over host-resident shards.
     dist.init_process_group(backend="cuda:nccl,cpu:gloo" if backend == "nccl" else backend)
@@ -109,3 +110,64 @@ def set_dropout_free_mode(model: torch.nn.Module) -> int:
             module.training = True
             checkpointed += 1
     return checkpointed
+
+
+GLOO_THREAD_PREFIXES = ("pt_gloo", "gloo_")  # the names gloo's worker and transport threads give themselves
+
+
+def import_distributed_modules() -> None:
+    """Import the torch.distributed modules a rank uses, before `init_process_group`: torch/distributed/nn/
+    functional.py (imported by torch.distributed.fsdp) takes `group=group.WORLD` as the default of ten functions,
+    evaluated at import, so imported after the group exists it holds the group for good (torch 2.13)."""
+    import torch.distributed.checkpoint
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp  # noqa: F401
+
+
+def close_process_group() -> list[str]:
+    """Destroy the process group so that its backend's threads are joined now, while the interpreter is whole; the
+    names of gloo threads still running after it (empty when the group was destroyed). Call it last, once the
+    models are dropped: the device meshes lose their process groups.
+
+    Why not `dist.destroy_process_group()` alone: issue 30's "terminate called without an active exception", a
+    rank's SIGABRT at exit, read in gdb. `destroy_process_group` only unregisters the group; the C++ group, and
+    gloo's two worker threads with it, live until the last reference goes. Two references outlive it in a rank:
+    DTensor keeps the specs of the ops it saw, and through them the device mesh, whose registry holds the group
+    (cleared here); and torch.distributed.nn.functional's default arguments, when imported after the group exists
+    (`import_distributed_modules`). With the threads alive into interpreter finalisation, a worker that finishes
+    an operation releases its tensors; a tensor that owns its Python object takes the GIL to release it; CPython
+    3.11 ends a thread that takes the GIL during finalisation with pthread_exit, and its forced unwinding through
+    gloo's noexcept ~AsyncWork calls std::terminate. Upstream: pytorch/pytorch#109478 (groups not destroyed at
+    exit), #179291 (an exit handler for this crash, abandoned); CPython 3.14 parks such threads instead of ending
+    them (python/cpython#87135). Reproduced in tests/unit/test_gloo_teardown.py.
+    """
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # models, optimizers and FSDP states the caller dropped, some of them in reference cycles
+    for mesh in [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]:
+        registry = getattr(mesh, "_pg_registry", None)  # torch 2.13: group name -> ProcessGroup
+        if isinstance(registry, dict):
+            registry.clear()
+    dist.destroy_process_group()
+    gc.collect()
+    return gloo_threads()
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (Linux: /proc/self/task; elsewhere none are seen)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                name = comm.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(GLOO_THREAD_PREFIXES):
+            names.append(name)
+    return sorted(names)

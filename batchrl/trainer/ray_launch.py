@@ -176,10 +176,9 @@ class RankActor:
     def update(self, spec: UpdateSpec, *, rank: int, master_addr: str, master_port: int) -> dict[str, Any]:
         """Stage the inputs, run this rank of the update, upload what it wrote; {metrics, uploaded, node_ip}."""
         import ray
-        import torch.distributed as dist
         from transformers.utils import logging as hf_logging
 
-        from batchrl.trainer.worker import run
+        from batchrl.trainer.worker import leave, run
 
         hf_logging.disable_progress_bar()  # as the worker's main does: bars in a Ray actor's log are noise
 
@@ -195,7 +194,7 @@ class RankActor:
         with tempfile.TemporaryDirectory(prefix=f"batchrl-update-rank{rank}-") as scratch:
             local_spec = stage_inputs(spec, Path(scratch))
             metrics = run(local_spec)
-            dist.destroy_process_group()
+            leave()  # the group destroyed with its threads joined, as a rank process leaves
             uploaded = upload_outputs(local_spec, spec, rank=rank)
         return {"metrics": metrics, "uploaded": uploaded, "node_ip": ray.util.get_node_ip_address()}
 

@@ -56,7 +56,14 @@ from batchrl.trainer.checkpoint import (
 )
 from batchrl.trainer.critic import TOKEN_COLUMNS, update_critic
 from batchrl.trainer.forward import check_attention
-from batchrl.trainer.fsdp import Dist, init_distributed, load_model, set_dropout_free_mode, shard_model
+from batchrl.trainer.fsdp import (
+    Dist,
+    close_process_group,
+    init_distributed,
+    load_model,
+    set_dropout_free_mode,
+    shard_model,
+)
 from batchrl.trainer.index import (
     ListScan,
     SampleIndex,
@@ -418,13 +425,15 @@ def serve() -> None:
         ctx = ctx or init_distributed(spec)
         metrics, resident = update(spec, ctx=ctx, kept=kept.pop() if kept else None, keep=True)
         kept.append(resident)
+        del resident  # `kept` is its only holder: a rebuild frees it, and so does leaving
         if metrics is not None:
             write_json_atomic(spec.metrics_path, metrics)
         Path(f"{spec_path}.rank{rank}.done").touch()
         sys.stdout.flush()
         sys.stderr.flush()
     if ctx is not None:  # stdin closed: the pool is shut down; leave as a one-shot rank does
-        dist.destroy_process_group()
+        kept.clear()  # the resident model and optimizer go before the group (see close_process_group)
+        leave()
 
 
 def _commands():
@@ -469,11 +478,20 @@ def main() -> None:
         metrics = run(spec)
         if metrics is not None:
             write_json_atomic(spec.metrics_path, metrics)
-        dist.destroy_process_group()
-    # The interpreter finalises as usual (the rank once skipped it with os._exit after an abort at exit seen in CI,
-    # "terminate called without an active exception": a native thread freeing a Python-owned buffer while the
-    # interpreter finalised; the Parquet case is explained and avoided in storage/fs.py). The process group is
-    # destroyed first, so gloo's threads are joined before finalisation starts.
+        leave()
+    # The interpreter finalises as usual: `leave` has joined gloo's threads, which could otherwise take the GIL during
+    # finalisation and abort the rank (issue 30; see close_process_group). The Parquet case is in storage/fs.py.
+
+
+def leave() -> None:
+    """Destroy the process group, its threads joined; a warning names the gloo threads that outlive it."""
+    remaining = close_process_group()
+    if remaining:
+        logger.warning(
+            "gloo threads %s outlive the destroyed process group: something still holds it, and this rank may "
+            "abort at exit with 'terminate called without an active exception' (see close_process_group)",
+            remaining,
+        )
 
 
 if __name__ == "__main__":
