@@ -47,7 +47,8 @@ bench: install  # all benchmarks -> bench/RESULTS.md; a subset: make bench BENCH
 
 # The GPU smoke check (batchrl_toy/smoke.py): PASS/FAIL, time and peak GPU memory per GPU path. On a GPU host, in a
 # venv of its own: python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -e '.[gpu,dev]' && make gpu-smoke
-# VENV=.venv-gpu. Without a GPU it runs the CPU-runnable parts (CI runs them: tests/pipeline/test_gpu_smoke.py).
+# VENV=.venv-gpu. Without a GPU it runs the CPU-runnable parts (CI runs them but the pipeline step, whose CPU
+# profiles the quickstart test runs: tests/pipeline/test_gpu_smoke.py).
 gpu-smoke:
 	$(PY) -m batchrl_toy.smoke $(SMOKE_ARGS)
 

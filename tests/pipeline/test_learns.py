@@ -18,6 +18,7 @@ import pytest
 from harness import REPO, cli_ok, read_manifest, read_metrics
 
 from batchrl.config import load_pipeline
+from batchrl_toy import smoke
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +66,11 @@ def test_the_quickstart_raises_held_out_accuracy_by_25_points(workdir):
     assert metrics[-1]["critic/score/mean"] > metrics[0]["critic/score/mean"]  # training reward rose too
     assert metrics[0][f"initial/{GREEDY}"] == before[GREEDY] and metrics[-1][GREEDY] == after[GREEDY]
     assert_quiet(done)
+
+    # the GPU smoke check's pipeline step, whose CPU profiles are this pipeline's: a rerun skips every stage
+    again = cli_ok("run", "pipelines/quickstart.yaml", "--run-id", "learns", sets=overrides(tmp_path), timeout=600)
+    ran, rerun = smoke._stage_counts(done.stdout), smoke._stage_counts(again.stdout)
+    assert ran[0] > 0 and rerun == (0, sum(ran)), again.stdout[-2000:]
 
 
 def test_the_ppo_quickstart_with_a_critic_raises_held_out_accuracy_by_20_points(workdir):
