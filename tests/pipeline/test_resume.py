@@ -80,10 +80,13 @@ def test_nightly_runs_warm_start_from_the_last_policy_and_ingest_only_files_not_
     source = str(sorted(Path(toy_prompts_dir).glob("*.parquet"))[0])
     write_prompts(source, incoming / "day1.parquet", slice(0, 4))
     write_prompts(source, incoming / "day2.parquet", slice(4, 8))
-    path = pipeline(RESUME | {"data": {"train_files": [str(incoming)], "max_prompts": DEFAULT}})
+    # data.prompt_stats: each night's statistics go on from the last night's (issue 37's 3-night chain)
+    path = pipeline(RESUME | {"data": {"train_files": [str(incoming)], "max_prompts": DEFAULT, "prompt_stats": True}})
     runs = tmp_path / "runs"
     cli_ok("run", path, "--run-id", "nightly-1")
     assert len(read_rows(runs / "nightly-1" / "prompts")) == 8
+    stats_1 = {r["prompt_id"]: r for r in read_rows(runs / "nightly-1" / "iter_0000" / "prompt_stats")}
+    assert len(stats_1) == 8 and {r["times_sampled"] for r in stats_1.values()} == {1}
 
     day3 = write_prompts(source, incoming / "day3.parquet", slice(8, 12))
     second = cli_ok("run", path, "--run-id", "nightly-2", sets=[f"run.init_from={runs / 'nightly-1'}"])
@@ -93,11 +96,21 @@ def test_nightly_runs_warm_start_from_the_last_policy_and_ingest_only_files_not_
     assert lineage["initial_policy"] == str(runs / "nightly-1" / "iter_0000" / "policy")
     status = cli_ok("status", runs / "nightly-2")
     assert f"warm start: {runs / 'nightly-1' / 'iter_0000' / 'policy'}" in status.stdout
-    assert status.stdout.count("skip (complete)") == 5 and "lock: free" in status.stdout
+    assert status.stdout.count("skip (complete)") == 6 and "lock: free" in status.stdout
+    stats_2 = {r["prompt_id"]: r for r in read_rows(runs / "nightly-2" / "iter_0000" / "prompt_stats")}
+    assert {pid: stats_2[pid] for pid in stats_1} == stats_1  # last night's rows carried as they were
+    assert {pid: stats_2[pid]["times_sampled"] for pid in day3} == dict.fromkeys(day3, 1)  # new prompts joined
 
+    day4 = write_prompts(source, incoming / "day4.parquet", slice(12, 16))
     third = cli_ok("run", path, "--run-id", "nightly-3", sets=[f"run.init_from={runs / 'nightly-2'}"])
-    assert "nothing to train on" in third.stdout and "ran 0 stage(s)" in third.stdout
-    assert not (runs / "nightly-3" / "prompts").exists()
-    lineage = json.loads((runs / "nightly-3" / "_LINEAGE.json").read_text())
-    assert lineage["no_new_files"] and len(lineage["seen_files"]) == 3
-    assert lineage["initial_policy"] == str(runs / "nightly-2" / "iter_0000" / "policy")
+    assert "3 input file(s) already ingested" in third.stderr
+    stats_3 = {r["prompt_id"]: r for r in read_rows(runs / "nightly-3" / "iter_0000" / "prompt_stats")}
+    assert {pid: stats_3[pid] for pid in stats_2} == stats_2 and set(stats_3) == set(stats_2) | set(day4)
+    assert {stats_3[pid]["first_iteration"] for pid in day4} == {0}
+
+    fourth = cli_ok("run", path, "--run-id", "nightly-4", sets=[f"run.init_from={runs / 'nightly-3'}"])
+    assert "nothing to train on" in fourth.stdout and "ran 0 stage(s)" in fourth.stdout
+    assert not (runs / "nightly-4" / "prompts").exists()
+    lineage = json.loads((runs / "nightly-4" / "_LINEAGE.json").read_text())
+    assert lineage["no_new_files"] and len(lineage["seen_files"]) == 4
+    assert lineage["initial_policy"] == str(runs / "nightly-3" / "iter_0000" / "policy")
