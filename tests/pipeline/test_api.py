@@ -28,20 +28,29 @@ def sample_bonus(table: pa.Table, *, bonus: float) -> pa.Table:
     return table.set_column(table.schema.get_field_index("scores"), "scores", pa.array(shaped))
 
 
-def test_a_function_stage_inserted_from_python_runs_and_its_tables_read_as_arrow_and_pandas(
-    tmp_path, toy_model_dir, toy_prompts_dir
-):
+@pytest.fixture(scope="module")
+def bonus_pipeline(tmp_path_factory, toy_model_dir, toy_prompts_dir) -> Pipeline:
+    """The tiny pipeline with a function stage after score (2 iterations), before it runs."""
     raw = merged(
-        tiny_pipeline(model=toy_model_dir, prompts=toy_prompts_dir, root=str(tmp_path)),
+        tiny_pipeline(model=toy_model_dir, prompts=toy_prompts_dir, root=str(tmp_path_factory.mktemp("api"))),
         {"name": "api", "data.max_prompts": 4, "score.rewards": [{"reward": "gsm8k"}], "tracking.progress_bars": False},
     )
     pipeline = Pipeline.from_dict(raw).set("run.iterations=2", "generate.max_new_tokens=4")
-    pipeline = pipeline.insert_after("score", sample_bonus, name="bonus", outputs=["scores"], params={"bonus": 0.25})
+    return pipeline.insert_after("score", sample_bonus, name="bonus", outputs=["scores"], params={"bonus": 0.25})
+
+
+@pytest.fixture(scope="module")
+def bonus_run(bonus_pipeline):
+    """Its run, shared by the tests that read it (in this process: a run leaves no Ray behind)."""
+    return bonus_pipeline.run()
+
+
+def test_a_function_stage_inserted_from_python_runs_and_its_tables_read_as_arrow_and_pandas(bonus_pipeline, bonus_run):
+    pipeline, run = bonus_pipeline, bonus_run
     assert [s.name for s in pipeline.config.stages] == ["bonus"] and pipeline.config.run.iterations == 2
     with pytest.raises(ConfigError, match=r"insert_after\('update'\)"):
         pipeline.insert_after("update", sample_bonus, name="late", outputs=["scores"])
 
-    run = pipeline.run()
     assert "iter 1 bonus" in run.summary.ran
     scores = run.table("score", iteration=1)  # gsm8k: the random toy model never answers right
     assert {s for group in scores.column("scores").to_pylist() for s in group} == {0.0}
@@ -55,23 +64,15 @@ def test_a_function_stage_inserted_from_python_runs_and_its_tables_read_as_arrow
     assert again.summary.ran == [] and "iter 1 bonus" in again.summary.skipped
 
 
-def test_the_score_metrics_report_the_scores_advantage_read_after_a_shaping_stage_and_each_stages_effect(
-    tmp_path, toy_model_dir, toy_prompts_dir
-):
-    raw = merged(
-        tiny_pipeline(model=toy_model_dir, prompts=toy_prompts_dir, root=str(tmp_path)),
-        {"name": "shaped", "data.max_prompts": 4, "score.rewards": [{"reward": "gsm8k"}], "tracking.progress_bars": 0},
-    )
-    pipeline = Pipeline.from_dict(raw).set("generate.max_new_tokens=4")
-    run = pipeline.insert_after("score", sample_bonus, name="bonus", outputs=["scores"], params={"bonus": 0.25}).run()
-
-    metrics = run.metrics()[0]  # gsm8k scores 0 (the toy model never answers right); the bonus adds 0.25 x sample_idx
+def test_the_score_metrics_report_the_scores_advantage_read_after_a_shaping_stage_and_each_stages_effect(bonus_run):
+    # iteration 0's: gsm8k scores 0 (the toy model never answers right); the bonus adds 0.25 x sample_idx
+    metrics = bonus_run.metrics()[0]
     assert metrics["score/raw/mean"] == 0.0 and metrics["score/raw/max"] == 0.0
     assert metrics["critic/score/mean"] == pytest.approx(0.125) and metrics["critic/score/max"] == 0.25
     assert metrics["stage/bonus/scores/mean_before"] == 0.0
     assert metrics["stage/bonus/scores/mean_after"] == pytest.approx(0.125)
     assert metrics["stage/bonus/scores/changed"] == 4  # the second sample of each of the 4 groups
-    assert format_summary(run.metrics()).splitlines()[1].split()[:2] == ["0", "0.125"]  # iter, score
+    assert format_summary(bonus_run.metrics()).splitlines()[1].split()[:2] == ["0", "0.125"]  # iter, score
 
 
 API_SCRIPT = """
