@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 from pathlib import Path
 
 import pytest
-from harness import REPO, cli, cli_ok, kill_run_when, read_manifest, read_metrics, read_rows, start_cli
+from harness import REPO, cli, cli_ok, kill_run_when, read_manifest, read_metrics, read_rows, start_cli, write_pipeline
 
 from batchrl.tracking import run_tables
 
@@ -62,16 +63,26 @@ STAGES = [
 ]
 
 
-@pytest.fixture
-def probe_dir(tmp_path, toy_prompts_dir):
-    """A directory holding user_probe.py (the probe stage's module), put first on the runs' PYTHONPATH."""
+@pytest.fixture(scope="module")
+def probe_dir(tmp_path_factory, toy_prompts_dir):
+    """A directory holding user_probe.py (the probe stage's module), put first on the runs' PYTHONPATH. Shared by
+    the module's tests: none writes to it (the code-edit check edits a copy)."""
     import pyarrow.parquet as pq
 
     first_of_second_shard = pq.read_table(sorted(Path(toy_prompts_dir).glob("*.parquet"))[0]).column("prompt_id")[4]
-    code = tmp_path / "code"
-    code.mkdir()
+    code = tmp_path_factory.mktemp("code")
     (code / "user_probe.py").write_text(PROBE_SOURCE.format(env=PAUSE_ENV, paused_prompt=first_of_second_shard))
     return code
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory, toy_model_dir, toy_prompts_dir, probe_dir) -> tuple[Path, Path]:
+    """(pipeline file, run directory) of the uninterrupted run with the three user stages, which the chaining test
+    reads and the kill test compares against."""
+    directory = tmp_path_factory.mktemp("user")
+    path = write_pipeline(directory, {"name": "user", "stages": STAGES}, model=toy_model_dir, prompts=toy_prompts_dir)
+    run(path, "user", probe_dir)
+    return path, directory / "runs" / "user"
 
 
 def run(path, run_id: str, probe_dir: Path, **kwargs):
@@ -82,8 +93,8 @@ def flat(rows: list[dict], column: str) -> dict[tuple[str, int], object]:
     return {(r["prompt_id"], i): v for r in rows for i, v in enumerate(r[column])}
 
 
-def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stage(tmp_path, pipeline, probe_dir):
-    path = pipeline({"name": "user", "stages": STAGES})
+def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stage(tmp_path, user_run, probe_dir):
+    path, run_dir = user_run
     plan = cli_ok("plan", path, path_first=[probe_dir, REPO]).stdout
     labels = [line[2:24].strip() for line in plan.splitlines()[1:]]
     assert labels[1:7] == [
@@ -94,8 +105,7 @@ def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stag
         "iter 0 shaping",
         "iter 0 advantage",
     ]
-    run(path, "user", probe_dir)
-    it = tmp_path / "runs" / "user" / "iter_0000"
+    it = run_dir / "iter_0000"
     rollouts, probe = read_rows(it / "rollouts"), read_rows(it / "probe")
     assert [r["response_tokens"] for r in probe] == [sum(r["response_lengths"]) for r in rollouts]
     assert read_manifest(it / "probe")["schema"] == "rollouts" and len(read_manifest(it / "probe")["parts"]) == 2
@@ -108,10 +118,10 @@ def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stag
     assert flat(shaping, "scores") == pytest.approx(expected)
     advantages = read_rows(it / "advantages")
     assert {(r["prompt_id"], r["sample_idx"]): r["score"] for r in advantages} == pytest.approx(flat(shaping, "scores"))
-    metrics = read_metrics(tmp_path / "runs" / "user")[0]
+    metrics = read_metrics(run_dir)[0]
     assert metrics["stage/probe/rows"] == 8 and "timing_s/shaping" in metrics
 
-    labels = [t.label for t in run_tables(str(tmp_path / "runs" / "user")) if t.label.startswith("iter 0")]
+    labels = [t.label for t in run_tables(str(run_dir)) if t.label.startswith("iter 0")]
     assert labels == [f"iter 0 {t}" for t in ("rollouts", "probe", "scores", "safety", "shaping", "advantages")]
 
     again = run(path, "user", probe_dir)
@@ -120,9 +130,12 @@ def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stag
     status = {line[2:24].strip(): line[24:].split()[0] for line in forced.splitlines()[1:]}
     assert status["iter 0 score"] == "done" and status["iter 0 safety"] == status["iter 0 advantage"] == "forced"
 
-    # an edit to the probe's module re-runs it and everything after it; generate stays done
-    (probe_dir / "user_probe.py").write_text((probe_dir / "user_probe.py").read_text() + "\n# edited\n")
-    replan = cli_ok("plan", path, path_first=[probe_dir, REPO]).stdout
+    # an edit to the probe's module re-runs it and everything after it; generate stays done (edited in a copy: the
+    # module's other tests run the original)
+    edited = tmp_path / "edited"
+    shutil.copytree(probe_dir, edited)
+    (edited / "user_probe.py").write_text((edited / "user_probe.py").read_text() + "\n# edited\n")
+    replan = cli_ok("plan", path, path_first=[edited, REPO]).stdout
     status = {line[2:24].strip(): line[24:].split()[0] for line in replan.splitlines()[1:]}
     assert status["iter 0 generate"] == "done" and status["iter 0 probe"] == "stale"
     assert status["iter 0 safety"] == "stale" and status["iter 0 update"] == "stale"
@@ -130,10 +143,9 @@ def test_user_stages_are_materialised_chained_and_read_by_the_next_built_in_stag
 
 
 def test_a_run_killed_inside_a_user_stage_resumes_to_the_rows_and_weights_of_an_uninterrupted_one(
-    tmp_path, pipeline, probe_dir
+    tmp_path, user_run, probe_dir
 ):
-    path = pipeline({"name": "user", "stages": STAGES[2:]})
-    run(path, "uninterrupted", probe_dir)
+    path, expected = user_run  # the same pipeline, run uninterrupted
     pause = tmp_path / "pause"
     pause.mkdir()
     process = start_cli(
@@ -146,13 +158,13 @@ def test_a_run_killed_inside_a_user_stage_resumes_to_the_rows_and_weights_of_an_
         path_first=[probe_dir, REPO],
     )
     kill_run_when(pause / "reached", process, log=tmp_path / "killed.log")  # a shard of probe in flight
-    probe_dir_killed = tmp_path / "runs" / "killed" / "iter_0000" / "probe"
+    resumed = expected.parent / "killed"
+    probe_dir_killed = resumed / "iter_0000" / "probe"
     assert not (probe_dir_killed / "_MANIFEST.json").exists()
     (pause / "go").write_text("")
     run(path, "killed", probe_dir)
 
-    expected, resumed = tmp_path / "runs" / "uninterrupted", tmp_path / "runs" / "killed"
-    for table in ("probe", "scores", "advantages"):
+    for table in ("probe", "scores", "safety", "shaping", "advantages"):
         assert read_rows(resumed / "iter_0000" / table) == read_rows(expected / "iter_0000" / table), table
     weights = "iter_0000/policy/model.safetensors"
     assert _sha256(resumed / weights) == _sha256(expected / weights)
