@@ -23,7 +23,8 @@ from batchrl.config import ConfigError, PipelineConfig, load_pipeline
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 done; 1 internal failure; 2 configuration error, nothing run (also: run directory "
-    "locked by a live run); 3 data error; 4 interrupted (SIGINT/SIGTERM, object storage unreachable): "
+    "locked by a live run); 3 data error; 4 interrupted (SIGINT/SIGTERM, object storage unreachable, Ray "
+    "not started): "
     "the same command resumes the run."
 )
 app = typer.Typer(
@@ -267,7 +268,7 @@ def _run(
     cfg = _load(pipeline, overrides, run_id)
     _setup_logging(verbose)
     from batchrl.api import Pipeline
-    from batchrl.errors import DataError, ProcessCrash
+    from batchrl.errors import DataError, ProcessCrash, RayStartError
     from batchrl.pipeline import interrupts
     from batchrl.pipeline.lock import RunLockedError
     from batchrl.storage import StorageError, is_transient_storage_error
@@ -279,6 +280,10 @@ def _run(
         if crash is not None and interrupts.received() is None:  # a process killed by our SIGTERM is no crash
             typer.echo(f"internal failure: {crash.one_line()}", err=True)
             raise typer.Exit(EXIT_FAILED) from None
+        not_started = _find_cause(err, lambda e: isinstance(e, RayStartError))
+        if not_started is not None:
+            typer.echo(f"interrupted: {not_started}; nothing was run: run the same command again", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         transient = _find_cause(err, is_transient_storage_error)
         if transient is not None:
             typer.echo(

@@ -49,6 +49,12 @@ def type_phrase(value: object) -> str:
     return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
+class RayStartError(RuntimeError):
+    """Ray could not be started (the embedded one) or joined (a cluster), e.g. "The current node timed out during
+    startup" on an overloaded machine: nothing has run yet, so the command line says so in one line and exits 4,
+    like other transient failures that a scheduler retries."""
+
+
 NOTE_CHARS = 4000  # of a crashed process's output, in its ProcessCrash's note
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from batchrl.config import ConfigError, PipelineConfig
 from batchrl.engines.pool import EnginePool
+from batchrl.errors import RayStartError
 from batchrl.pipeline.devices import DeviceSplit, device_split
 from batchrl.pipeline.interrupts import deferred, kept_across
 from batchrl.pipeline.stage import Stage
@@ -68,7 +69,7 @@ def ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[Session
     saved_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     session = Session(embedded_ray=not address)
     try:
-        with kept_across("ray.init"):  # ray.init replaces the driver's SIGTERM handler (see interrupts)
+        with kept_across("ray.init"), _start_errors(address):  # ray.init replaces the SIGTERM handler (interrupts)
             if address:
                 ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)  # levels: cli.py
             else:
@@ -99,6 +100,19 @@ def ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[Session
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved_devices
+
+
+@contextlib.contextmanager
+def _start_errors(address: str | None) -> Iterator[None]:
+    """An exception from ray.init (a node that timed out during startup on an overloaded machine, a cluster that
+    cannot be reached) as a RayStartError naming what was started or joined; a ConfigError passes as it is."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as err:
+        what = f"the Ray cluster at {address} could not be joined" if address else "the embedded Ray did not start"
+        raise RayStartError(f"{what} ({type(err).__name__}: {err})") from err
 
 
 def check_cluster_paths(cfg: PipelineConfig, stages: dict[str, Stage], *, run_dir: str) -> None:
