@@ -139,14 +139,16 @@ def close_process_group() -> list[str]:
     3.11 ends a thread that takes the GIL during finalisation with pthread_exit, and its forced unwinding through
     gloo's noexcept ~AsyncWork calls std::terminate. Upstream: pytorch/pytorch#109478 (groups not destroyed at
     exit), #179291 (an exit handler for this crash, abandoned); CPython 3.14 parks such threads instead of ending
-    them (python/cpython#87135). Reproduced in tests/unit/test_gloo_teardown.py.
+    them (python/cpython#87135). Both references, and the threads this joins, are pinned in
+    tests/unit/test_gloo_teardown.py.
     """
     import gc
 
     from torch.distributed.device_mesh import DeviceMesh
 
     gc.collect()  # models, optimizers and FSDP states the caller dropped, some of them in reference cycles
-    for mesh in [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]:
+    # type(), not isinstance(): the latter reads __class__, which some objects (lazy modules, proxies) compute
+    for mesh in [obj for obj in gc.get_objects() if issubclass(type(obj), DeviceMesh)]:
         registry = getattr(mesh, "_pg_registry", None)  # torch 2.13: group name -> ProcessGroup
         if isinstance(registry, dict):
             registry.clear()
