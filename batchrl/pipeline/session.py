@@ -69,9 +69,10 @@ def ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[Session
     saved_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     session = Session(embedded_ray=not address)
     try:
-        with kept_across("ray.init"), _start_errors(address):  # ray.init replaces the SIGTERM handler (interrupts)
+        with kept_across("ray.init"):  # ray.init replaces the driver's SIGTERM handler (see interrupts)
             if address:
-                ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)  # levels: cli.py
+                with _start_errors(address):
+                    ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)  # cli.py: levels
             else:
                 gpus = {}
                 split = device_split(cfg, cluster=False)  # overlap on one GPU host
@@ -82,14 +83,15 @@ def ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[Session
                     logger.info(
                         "GPUs %s for the engines, %s for the update (run.max_staleness)", split.engines, split.ranks
                     )
-                ray.init(
-                    address="local",
-                    num_cpus=cfg.ray.num_cpus,
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                    configure_logging=False,
-                    **gpus,
-                )
+                with _start_errors(None):
+                    ray.init(
+                        address="local",
+                        num_cpus=cfg.ray.num_cpus,
+                        include_dashboard=False,
+                        logging_level=logging.WARNING,
+                        configure_logging=False,
+                        **gpus,
+                    )
         DataContext.get_current().enable_progress_bars = False
         yield session
     finally:
@@ -104,8 +106,9 @@ def ray_session(cfg: PipelineConfig, *, needed: bool = True) -> Iterator[Session
 
 @contextlib.contextmanager
 def _start_errors(address: str | None) -> Iterator[None]:
-    """An exception from ray.init (a node that timed out during startup on an overloaded machine, a cluster that
-    cannot be reached) as a RayStartError naming what was started or joined; a ConfigError passes as it is."""
+    """An exception from the ray.init inside (a node that timed out during startup on an overloaded machine, a
+    cluster that cannot be reached) as a RayStartError naming what was started or joined; a ConfigError passes as
+    it is. Around ray.init alone: a failure of batchrl's own code is not a transient one."""
     try:
         yield
     except ConfigError:
