@@ -118,6 +118,8 @@ class Runner:
                 return  # an incremental run with no new input file: nothing to train on
         self.plan.count_iterations()  # with run.epochs: now that the once-per-run tables are there
         self.preflight({self.stages[name].table: self.plan[(name, None)].manifest for name in once})
+        for stage in working.values():  # e.g. the update's resident ranks: their start overlaps iteration 0's stages
+            stage.prestart(self.cfg, embedded_ray=self.session.embedded_ray, rank_devices=self.session.rank_devices)
         each = [name for name, stage in self.stages.items() if stage.per_iteration]
         lagged = self.cfg.run.max_staleness > 0  # the policy-writing stage (the update) runs beside the next stages
         overlap = Overlap(self.stages)

@@ -50,15 +50,18 @@ logger = logging.getLogger(__name__)
 ACTOR_MAX_RESTARTS = 3  # restarts of one pool actor that died (process killed, OOM)
 
 
-def runs_in_driver(num_jobs: int, *, num_gpus: float, embedded_ray: bool) -> bool:
-    """One CPU shard on an embedded local Ray: the driver processes it itself.
+def runs_in_driver(num_jobs: int, *, num_gpus: float, embedded_ray: bool, pool: int | None = None) -> bool:
+    """CPU shards on an embedded local Ray that an actor pool would not process side by side: the driver processes
+    them itself, one after the other. That is a lone shard, or several when the pool the stage's resources derive
+    (``pool``: `derived_actors` capped by `pool_size`; None when the config sets the stage's num_actors) is one actor.
 
-    Why: the pool would be one actor on this same machine, so there is no parallelism to gain, and starting
-    it (a new Python process importing the stage's libraries) cost ~1.5 s per stage on the quickstart, as
-    much as generating the shard. Rewards still run in their own child process (score isolation), so a
-    crashing reward cannot take the driver down. Several shards, GPUs or a cluster keep the actor pool.
-    """
-    return embedded_ray and num_jobs == 1 and not num_gpus
+    Why: such a pool is one actor on this same machine, so there is no parallelism to gain, and starting it (a new
+    Python process importing the stage's libraries, per stage and iteration) cost ~1.5 s per stage on the
+    quickstart, as much as generating the shard; on a 2-CPU test run with the engine resident, every score,
+    advantage and values pool was one actor. Rewards still run in their own child process (score isolation), so a
+    crashing reward cannot take the driver down. GPUs, a cluster, a pool of several actors, or actors the config
+    asks for (num_actors) keep the pool."""
+    return embedded_ray and not num_gpus and (num_jobs == 1 or pool == 1)
 
 
 SHARD_MAX_RETRIES = 3  # retries of a shard whose actor died while processing it
@@ -332,6 +335,10 @@ def map_shards(
 
     wanted = derived_actors(concurrency, ray.cluster_resources(), num_cpus=num_cpus, num_gpus=num_gpus)
     size = pool_size(wanted, len(jobs), ray.available_resources(), num_cpus=num_cpus, num_gpus=num_gpus)
+    derived = size if concurrency is None else None
+    if runs_in_driver(len(jobs), num_gpus=num_gpus, embedded_ray=embedded_ray, pool=derived):
+        yield from process_in_driver(worker_cls, worker_kwargs, jobs)
+        return
     dataset = ray.data.from_items(jobs, override_num_blocks=len(jobs))
     with warnings.catch_warnings():
         # Ray 2.60 deprecates **ray_remote_args without a named replacement for actor retries yet.
@@ -385,15 +392,17 @@ def pool_size(concurrency: int, num_jobs: int, free: dict[str, float], *, num_cp
 
 def process_in_driver(
     worker_cls: type, worker_kwargs: dict[str, Any], jobs: list[dict[str, str]]
-) -> list[dict[str, Any]]:
-    """Every job by one worker built in this process (then closed): one result row per job, as the actor pool
-    returns them (name, rows, sha256, num_bytes, counts_json)."""
+) -> Iterator[dict[str, Any]]:
+    """Every job by one worker built in this process (then closed), one job at a time: its result row (name, rows,
+    sha256, num_bytes, counts_json, as the actor pool returns them) as soon as it is done, so the journal records each
+    finished shard before the next starts (a crash loses the shard in flight only)."""
     worker = worker_cls(**worker_kwargs)
     try:
-        out = worker({key: [job[key] for job in jobs] for key in jobs[0]})
+        for job in jobs:
+            out = worker({key: [value] for key, value in job.items()})
+            yield from (dict(zip(out, values)) for values in zip(*out.values()))
     finally:
         worker.close()
-    return [dict(zip(out, values)) for values in zip(*out.values())]
 
 
 def part_info(row: dict[str, Any]) -> PartInfo:

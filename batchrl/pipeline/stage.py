@@ -142,6 +142,11 @@ class Stage:
     def preflight(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> None:
         """Checks against the once-per-run tables (``tables``: their manifests), before any iteration runs."""
 
+    def prestart(self, cfg: PipelineConfig, *, embedded_ray: bool, rank_devices: str | None) -> None:
+        """Called once before the first iteration when the stage has work in this run: may start what it keeps
+        across iterations (the update's resident ranks) so that the start overlaps the stages before its first step.
+        Changes no output: a step that finds it unusable starts its own (released by `close`)."""
+
     def check_ready(self, ctx: StageContext) -> None:
         """Checks of what this step reads that need no work (DataError / ConfigError), made before the runner clears or
         marks its output directory: a step that cannot run stops the run with its old output still there (update:

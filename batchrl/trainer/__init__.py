@@ -18,7 +18,7 @@ read by the launcher for a progress bar).
 Importing this package does not import torch.
 """
 
-from batchrl.trainer.launch import run_update, shutdown_trainers
+from batchrl.trainer.launch import prestart_trainers, run_update, shutdown_trainers
 from batchrl.trainer.spec import UpdateSpec
 
-__all__ = ["UpdateSpec", "run_update", "shutdown_trainers"]
+__all__ = ["UpdateSpec", "prestart_trainers", "run_update", "shutdown_trainers"]

@@ -9,7 +9,9 @@ Two lifetimes. One-shot (default): N fresh processes per update, each importing 
 the process group and loading the model and optimizer state from disk (seconds each time). Resident
 (`resident=True`): the N ranks of the first update stay alive in a module-level pool and take each later update
 as a command (its spec path on their stdin; each rank answers with a done file), reusing their imports, process
-group and, when the update continues from what they saved, their model and optimizer (see `worker`). Any
+group and, when the update continues from what they saved, their model and optimizer (see `worker`). The runner
+starts them ahead (`prestart_trainers`, from the update stage's `prestart`), so that their imports overlap the
+stages before the first update. Any
 failure (a rank that exits, an error, the timeout) kills the pool and raises as one-shot does; the next update
 starts a fresh one. Residency is for CPU (gloo) ranks only: on GPUs the ranks would hold the device memory
 that the generation engine needs between updates. `shutdown_trainers()` ends the pool (also at exit).
@@ -170,48 +172,70 @@ _POOL_LOCK = threading.RLock()
 atexit.register(shutdown_trainers)
 
 
-def _pool_key(spec: UpdateSpec) -> tuple:
+def _pool_key(num_processes: int, backend: str, threads_per_rank: int | None, cuda_devices: str | None) -> tuple:
     """What the rank processes are fixed to at start: the process group and the environment they inherit."""
     env = tuple(os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONPATH"))
-    return (
-        spec.update.num_processes,
-        spec.update.backend,
-        sys.executable,
-        env,
-        spec.threads_per_rank,
-        spec.cuda_devices,
-    )
+    return (num_processes, backend, sys.executable, env, threads_per_rank, cuda_devices)
+
+
+def _spec_key(spec: UpdateSpec) -> tuple:
+    return _pool_key(spec.update.num_processes, spec.update.backend, spec.threads_per_rank, spec.cuda_devices)
+
+
+def prestart_trainers(
+    *, num_processes: int, backend: str, threads_per_rank: int | None = None, cuda_devices: str | None = None
+) -> None:
+    """Starts the resident ranks of the updates to come, unless ranks are running: their start (a Python process
+    importing torch, torch.distributed and transformers, ~4 s of CPU per rank measured on the quickstart's host)
+    then overlaps the stages before the first update instead of delaying it. The first update takes them by their
+    key (`_get_pool`); a spec with another key (rank count, threads, environment) replaces them, as any change of
+    key does, so a wrong guess costs their start and never a result. gloo only, as residency is."""
+    if resolve_backend(backend) != "gloo":
+        return
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            key = _pool_key(num_processes, backend, threads_per_rank, cuda_devices)
+            _POOL = _start_pool(key, num_processes=num_processes, threads=threads_per_rank, cuda_devices=cuda_devices)
 
 
 def _get_pool(spec: UpdateSpec) -> _Pool:
     """The pool for `spec`: the current one if its key matches and every rank is alive, else a new one (a rank
     that died between updates, e.g. killed by the OOM killer, only costs a restart)."""
     global _POOL
-    key = _pool_key(spec)
+    key = _spec_key(spec)
     if _POOL is not None and (_POOL.key != key or not _POOL.alive()):
         dead = [w["rank"] for w in _POOL.workers if w["process"].poll() is not None]
         if dead:
             logger.warning("update: resident rank(s) %s exited between updates; starting fresh ranks", dead)
+        elif _POOL.updates == 0:
+            logger.info("update: the ranks started ahead do not fit this update (%s != %s); restarting", _POOL.key, key)
         _POOL.close()
         _POOL = None
     if _POOL is None:
-        log_dir = Path(tempfile.mkdtemp(prefix="batchrl-trainers-"))
-        port = _free_port()
-        workers = [
-            _start_worker(
-                None,
-                rank=rank,
-                world_size=spec.update.num_processes,
-                port=port,
-                log_dir=log_dir,
-                threads=spec.threads_per_rank,
-                cuda_devices=spec.cuda_devices,
-            )
-            for rank in range(spec.update.num_processes)
-        ]
-        _POOL = _Pool(key=key, workers=workers, log_dir=log_dir)
-        logger.info("started %d resident update rank(s)", spec.update.num_processes)
+        _POOL = _start_pool(
+            key, num_processes=spec.update.num_processes, threads=spec.threads_per_rank, cuda_devices=spec.cuda_devices
+        )
     return _POOL
+
+
+def _start_pool(key: tuple, *, num_processes: int, threads: int | None, cuda_devices: str | None) -> _Pool:
+    log_dir = Path(tempfile.mkdtemp(prefix="batchrl-trainers-"))
+    port = _free_port()
+    workers = [
+        _start_worker(
+            None,
+            rank=rank,
+            world_size=num_processes,
+            port=port,
+            log_dir=log_dir,
+            threads=threads,
+            cuda_devices=cuda_devices,
+        )
+        for rank in range(num_processes)
+    ]
+    logger.info("started %d resident update rank(s)", num_processes)
+    return _Pool(key=key, workers=workers, log_dir=log_dir)
 
 
 def _run_on_pool(

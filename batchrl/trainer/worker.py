@@ -59,6 +59,7 @@ from batchrl.trainer.forward import check_attention
 from batchrl.trainer.fsdp import (
     Dist,
     close_process_group,
+    import_distributed_modules,
     init_distributed,
     load_model,
     set_dropout_free_mode,
@@ -420,6 +421,7 @@ def serve() -> None:
     then kills the other ranks (stuck in a collective) and reports this rank's stderr."""
     rank = os.environ.get("RANK", "0")
     ctx, kept = None, []  # kept: at most one Resident, popped into update() so that a rebuild can free it first
+    warm_imports()
     for spec_path in _commands():
         spec = UpdateSpec.from_json(spec_path)
         ctx = ctx or init_distributed(spec)
@@ -434,6 +436,15 @@ def serve() -> None:
     if ctx is not None:  # stdin closed: the pool is shut down; leave as a one-shot rank does
         kept.clear()  # the resident model and optimizer go before the group (see close_process_group)
         leave()
+
+
+def warm_imports() -> None:
+    """What every update imports, imported before the first command: the launcher may start the resident ranks
+    ahead of the first update (`launch.prestart_trainers`), and these imports (~4 s of CPU per rank) are most of a
+    rank's start. torch.distributed's modules go before any process group exists (see `import_distributed_modules`)."""
+    import_distributed_modules()
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers.modeling_layers import GradientCheckpointingLayer  # noqa: F401
 
 
 def _commands():

@@ -206,9 +206,9 @@ def test_a_scoring_worker_killed_mid_stage_is_restarted_by_ray_and_the_stage_com
     run = copy_run(expected_run, "actor-killed")
     marker = tmp_path / "killed-once"
     rewards = "score.rewards=[{reward: 'test_faults:digit_count_killing_its_worker_once', weight: 1.0}]"
-    result = cli_ok(
-        "run", path, "--run-id", "actor-killed", sets=[rewards, "run.iterations=1"], env={KILL_MARKER_ENV: str(marker)}
-    )
+    # score.num_actors set: its pool even on the 1 CPU the engine leaves (a derived pool of one runs in the driver)
+    sets = [rewards, "run.iterations=1", "score.num_actors=1"]
+    result = cli_ok("run", path, "--run-id", "actor-killed", sets=sets, env={KILL_MARKER_ENV: str(marker)})
     assert marker.exists(), "the reward never killed its worker"
     assert "iter 0 generate: complete" in result.stderr
     scores = read_table(run / "iter_0000" / "scores").to_pylist()
@@ -500,10 +500,12 @@ def test_sigterm_during_a_ray_stage_and_during_the_update_exits_4_and_the_resume
     stopped_with_sigterm(path, run, lambda _: (rollouts / "_STARTED.json").exists(), log=tmp_path / "generate.log")
     assert not (rollouts / "_MANIFEST.json").exists()  # stopped in the middle of generation on Ray actors
 
-    def update_rank_started(process):
-        return any(UPDATE_RANK in command for command in session_processes(process.pid))
+    update_log = tmp_path / "update.log"
 
-    output = stopped_with_sigterm(path, run, update_rank_started, log=tmp_path / "update.log", again_after=0.2)
+    def update_running(process):  # the ranks start ahead (UpdateStage.prestart): the step's own log line
+        return "iter 0 update: running" in update_log.read_text(errors="replace") if update_log.exists() else False
+
+    output = stopped_with_sigterm(path, run, update_running, log=update_log, again_after=0.2)
     assert "iter 0 update: running" in output and not (run / "iter_0000" / "policy" / "_MANIFEST.json").exists()
     assert "SIGTERM received while stopping: finishing the clean-up first" in output
 
@@ -541,7 +543,10 @@ def test_an_update_rank_dying_of_a_signal_stops_the_run_with_one_line_and_a_log_
         def a_rank() -> list[int]:
             return [pid for pid, command in session_pids(process.pid) if UPDATE_RANK in command]
 
-        wait_for(lambda: a_rank() or process.poll() is not None, timeout=600)
+        def updating() -> bool:  # the ranks start ahead (UpdateStage.prestart): killed once the update runs
+            return "iter 0 update: running" in log.read_text(errors="replace") and bool(a_rank())
+
+        wait_for(lambda: updating() or process.poll() is not None, timeout=600)
         assert process.poll() is None, f"the run ended before its update:\n{log.read_text()[-4000:]}"
         os.kill(a_rank()[0], signal.SIGABRT)
         code = process.wait(timeout=120)

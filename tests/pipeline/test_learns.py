@@ -66,6 +66,10 @@ def test_the_quickstart_raises_held_out_accuracy_by_25_points(workdir):
     assert metrics[-1]["critic/score/mean"] > metrics[0]["critic/score/mean"]  # training reward rose too
     assert metrics[0][f"initial/{GREEDY}"] == before[GREEDY] and metrics[-1][GREEDY] == after[GREEDY]
     assert_quiet(done)
+    # the update's resident ranks start before iteration 0 (UpdateStage.prestart) and every update takes them: the
+    # guess of their key matched the first update's spec (else a second start, and an 'do not fit' line)
+    started = done.stderr.index("started 2 resident update rank(s)")
+    assert started < done.stderr.index("iter 0 generate: running") and done.stderr.count("resident update rank") == 1
 
     # the GPU smoke check's pipeline step, whose CPU profiles are this pipeline's: a rerun skips every stage
     again = cli_ok("run", "pipelines/quickstart.yaml", "--run-id", "learns", sets=overrides(tmp_path), timeout=600)

@@ -1,5 +1,6 @@
-"""run_sharded processes a lone CPU shard in the driver on an embedded Ray (no actor start) and gives the same
-part, counts and sha256 as the actor pool; several shards, GPUs or a cluster keep the pool."""
+"""run_sharded processes a lone CPU shard (or several, when the pool the stage's resources derive is one actor) in the
+driver on an embedded Ray (no actor start), one at a time, and gives the same part, counts and sha256 as the actor
+pool; GPUs, a cluster, a pool of several actors or actors the config asks for keep the pool."""
 
 from __future__ import annotations
 
@@ -67,10 +68,32 @@ def run(tmp_path, out: str, manifest: Manifest, *, embedded_ray: bool):
     )
 
 
-def test_only_a_lone_cpu_shard_on_an_embedded_ray_runs_in_the_driver():
+def test_cpu_shards_a_pool_could_not_run_side_by_side_on_an_embedded_ray_run_in_the_driver():
     assert runs_in_driver(1, num_gpus=0, embedded_ray=True) and not runs_in_driver(2, num_gpus=0, embedded_ray=True)
+    assert runs_in_driver(3, num_gpus=0, embedded_ray=True, pool=1)  # a derived pool of one actor: no parallelism
+    assert not runs_in_driver(3, num_gpus=0, embedded_ray=True, pool=2)
+    assert not runs_in_driver(3, num_gpus=0, embedded_ray=True, pool=None)  # num_actors set: the pool it asks for
     assert not runs_in_driver(1, num_gpus=1, embedded_ray=True)
+    assert not runs_in_driver(2, num_gpus=1, embedded_ray=True, pool=1)
     assert not runs_in_driver(1, num_gpus=0, embedded_ray=False)  # a cluster (or no runner): the actor pool
+    assert not runs_in_driver(2, num_gpus=0, embedded_ray=False, pool=1)
+
+
+def test_the_driver_hands_each_shard_back_before_it_starts_the_next(tmp_path):
+    """So the journal records every finished shard at once: a crash loses the shard in flight only."""
+    from batchrl.pipeline.shards import process_in_driver, shard_jobs
+
+    manifest = one_part(tmp_path)
+    first_part = manifest.parts[0]
+    second = PartInfo("part-00001.parquet", first_part.rows, first_part.sha256, first_part.num_bytes)
+    (tmp_path / "in" / "part-00001.parquet").write_bytes((tmp_path / "in" / "part-00000.parquet").read_bytes())
+    manifest.parts = [first_part, second]
+    jobs = shard_jobs(input_dir=str(tmp_path / "in"), input_manifest=manifest, output_dir=str(tmp_path / "out"))
+    rows = process_in_driver(Shouter, {"suffix": "!"}, jobs)
+    first = next(rows)
+    assert first["name"] == "part-00000.parquet" and first["rows"] == 3
+    assert (tmp_path / "out" / "part-00000.parquet").exists() and not (tmp_path / "out" / "part-00001.parquet").exists()
+    assert [row["name"] for row in rows] == ["part-00001.parquet"]
 
 
 def test_the_driver_writes_the_same_part_as_the_actor_pool(tmp_path):
