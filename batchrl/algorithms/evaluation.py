@@ -63,13 +63,17 @@ def evaluation_metrics(
     sample_lengths_PK: np.ndarray | None,
     majority_score_P: np.ndarray | None,
     pass_threshold: float,
+    core: str = "val-core",
+    aux: str = "val-aux",
 ) -> dict[str, float]:
     """Per data_source: greedy mean@1 and sampled mean@k, pass@k, maj@k (core), std@k, pass@j, answered,
-    response length and num_prompts (aux). P prompts, K sampled responses each."""
+    response length and num_prompts (aux). P prompts, K sampled responses each. ``core``/``aux``: the names' first
+    part (the evaluate stage groups the same metrics by data.sources name as val-source/, val-source-aux/)."""
     metrics: dict[str, float] = {}
+    core_prefix, aux_prefix = core, aux
     for source in sorted(set(data_source_P.tolist())):
         rows = data_source_P == source
-        core, aux = f"val-core/{source}/reward", f"val-aux/{source}"
+        core, aux = f"{core_prefix}/{source}/reward", f"{aux_prefix}/{source}"
         metrics[f"{aux}/num_prompts"] = float(rows.sum())
         if greedy_score_P is not None:
             metrics[f"{core}/mean@1"] = float(greedy_score_P[rows].mean())

@@ -234,8 +234,41 @@ class PipelineConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_source_fields(self) -> PipelineConfig:
+        """A source's own rewards and eval set against the sections they need (data.sources' rewards, eval_files)."""
+        for source in self.data.sources or []:
+            field = f"data.sources[{source.name}]"
+            for index, term in enumerate(source.rewards or []):
+                problem = None
+                if term.component_name == "reward_model" and self.score.reward_model is not None:
+                    problem = "is named 'reward_model', the reward model's component; give the term another `name:`"
+                elif term.reward == "judge" and self.judge is None:
+                    problem = "has reward: judge but there is no judge section to make its verdicts"
+                elif term.reward == "environment" and self.generate.environment is None:
+                    problem = "has reward: environment, which reads generate.environment's rewards, but it is not set"
+                if problem:
+                    raise ValueError(f"{field}.rewards[{index}] {problem}")
+            if source.eval_files and self.evaluate is None:
+                raise ValueError(
+                    f"{field}.eval_files needs an evaluate: section (its greedy, num_samples, ... apply to every "
+                    "held-out prompt); add `evaluate: {}` for the defaults, or remove eval_files"
+                )
+        if self.evaluate is not None and not self.evaluate.files and not self.eval_files_by_source():
+            raise ValueError(
+                "evaluate.files is empty and no data.sources entry has eval_files: list the held-out prompt files in "
+                "one of them, or remove the evaluate: section"
+            )
+        return self
+
+    def eval_files_by_source(self) -> dict[str, list[str]]:
+        """data.sources' eval_files by source name, in the sources' order (empty when none has any)."""
+        return {s.name: list(s.eval_files) for s in self.data.sources or [] if s.eval_files}
+
+    @model_validator(mode="after")
     def _check_judge(self) -> PipelineConfig:
-        problem = judge_term_problem(self.judge, terms=self.score.rewards)
+        # a source's judge term reads the verdicts too (without a judge section, _check_source_fields names it)
+        source_terms = [t for s in self.data.sources or [] for t in s.rewards or []] if self.judge else []
+        problem = judge_term_problem(self.judge, terms=[*self.score.rewards, *source_terms])
         if problem is None and self.judge is not None:
             problem = judge_sharing_problem(self.judge, generate=self.generate, run=self.run, update=self.update)
         if problem is not None:

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from batchrl.algorithms.mixing import source_counts
 from batchrl.config.base import ActorResources, Placement, _Strict
+from batchrl.config.reward import RewardTerm
 from batchrl.references import is_reference
 
 BUILTIN_TOOLS = ("calculator", "python")  # batchrl.agents.tools.BUILTINS
@@ -34,6 +35,21 @@ class SourceConfig(_Strict):
     count: int | None = Field(
         None, ge=1, description="Exactly this many of its prompts per iteration, instead of a weight."
     )
+    rewards: list[RewardTerm] | None = Field(
+        None,
+        min_length=1,
+        description="Its own reward terms (each as a score.rewards term), which score its rows, training and "
+        "held-out, instead of score.rewards or their data_source's default; score.reward_model, when set, still "
+        "scores them as one more component. null: scored as the other rows. In the score and evaluate fingerprints, "
+        "not ingest's or generate's.",
+    )
+    eval_files: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Its held-out prompt files, directories or globs (as evaluate.files; needs an evaluate: "
+        "section): ingested with the evaluate.files into evaluation_prompts/ with `source` set to its name, scored "
+        "with its rewards, and reported as val-source/<name>/reward/<metric> (README, 'Mixing data sources').",
+    )
 
     @field_validator("name")
     @classmethod
@@ -48,6 +64,17 @@ class SourceConfig(_Strict):
     def _check_share(self) -> SourceConfig:
         if (self.weight is None) == (self.count is None):
             raise ValueError(f"data.sources[{self.name}]: give exactly one of weight and count")
+        return self
+
+    @model_validator(mode="after")
+    def _component_names_are_unique(self) -> SourceConfig:
+        names = [t.component_name for t in self.rewards or []]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(
+                f"data.sources[{self.name}].rewards: component names {duplicates} are not unique; give terms a "
+                "distinct `name:`"
+            )
         return self
 
 
@@ -396,12 +423,17 @@ class EvaluateConfig(_Strict):
     """Held-out evaluation (the evaluate stage): the initial policy before iteration 0, then each new policy."""
 
     files: list[str] = Field(
-        ...,
-        min_length=1,
+        default_factory=list,
         description="Held-out prompt Parquet files, directories or globs "
-        "(local or s3://; batchrl's or verl's layout, as data.train_files), never trained on.",
+        "(local or s3://; batchrl's or verl's layout, as data.train_files), never trained on. May be empty when a "
+        "data.sources entry has eval_files.",
     )
-    max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N valid held-out prompts.")
+    max_prompts: int | None = Field(
+        None,
+        ge=1,
+        description="Evaluate only the first N valid held-out prompts (those of evaluate.files first, then each "
+        "source's eval_files, in the sources' order).",
+    )
     greedy: bool = Field(
         True, description="One greedy response per prompt (temperature 0): val-core/<data_source>/reward/mean@1."
     )

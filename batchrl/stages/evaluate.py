@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchrl.agents.columns import tool_stats
 from batchrl.agents.environment import environment_stats
@@ -42,7 +43,8 @@ from batchrl.pipeline.shards import ShardRun, add_counts, part_info, process_in_
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code, reward_name_for
 from batchrl.stages.generate_jobs import part_pieces
-from batchrl.stages.heldout import overlong_prompts, tool_schema_fingerprint
+from batchrl.stages.heldout import eval_files_fingerprint, overlong_prompts, tool_schema_fingerprint
+from batchrl.stages.score_sources import source_rewards_fingerprint
 from batchrl.storage import join, read_parquet, write_parquet_atomic
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.storage.schemas import load_schema
@@ -92,6 +94,7 @@ class EvaluateStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         from batchrl.stages.generate import agent_code, loop_settings
+        from batchrl.stages.generate_adapter import push_fingerprint
 
         e = cfg.evaluate
         code = reward_code(cfg.score)  # editing a custom reward's module re-evaluates
@@ -114,6 +117,10 @@ class EvaluateStage(Stage):
             | ({"tools": loop_settings(cfg.generate)} if loop_settings(cfg.generate) else {})
             | tool_schema_fingerprint(cfg)  # as the held-out prompts' (heldout_fingerprint_config)
             | agent_code(cfg)  # editing a user tool or the environment re-evaluates, as it regenerates
+            | push_fingerprint(cfg)  # update.lora.push: adapter, as generate's (absent with the merged push)
+            # data.sources' own rewards and eval sets (absent without: as they were)
+            | source_rewards_fingerprint(cfg)
+            | eval_files_fingerprint(cfg)
         )
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
@@ -284,8 +291,9 @@ def _prefixed(part: PartInfo, prefix: str) -> PartInfo:
 # ------------------------------------------------------------------------------------- answers
 
 
-def answer_extractor(cfg: PipelineConfig) -> Callable[[str, str], str | None]:
-    """(response, data_source) -> the answer the data_source's reward reads, for majority voting."""
+def answer_extractor(cfg: PipelineConfig) -> Callable[[str, str, str | None], str | None]:
+    """(response, data_source, source) -> the answer the row's first reward reads (its source's own first term, else
+    score.rewards' first, else its data_source's default), for majority voting."""
     from batchrl.rewards.boxed import last_boxed_content
     from batchrl.rewards.gsm8k import extract_gsm8k_answer
 
@@ -295,10 +303,12 @@ def answer_extractor(cfg: PipelineConfig) -> Callable[[str, str], str | None]:
         "math": last_boxed_content,
     }
     first_term = cfg.score.rewards[0].reward if cfg.score.rewards else None
+    source_first = {s.name: s.rewards[0].reward for s in cfg.data.sources or [] if s.rewards}
 
-    def extract(response: str, data_source: str) -> str | None:
+    def extract(response: str, data_source: str, source: str | None = None) -> str | None:
         try:
-            reward = first_term or reward_name_for(data_source, overrides=cfg.score.reward_by_data_source)
+            reward = source_first.get(source) or first_term
+            reward = reward or reward_name_for(data_source, overrides=cfg.score.reward_by_data_source)
         except ValueError:
             reward = None
         reader = readers.get(reward)
@@ -312,19 +322,25 @@ def answer_extractor(cfg: PipelineConfig) -> Callable[[str, str], str | None]:
 
 
 def evaluation_table(
-    greedy: pa.Table | None, sampled: pa.Table | None, *, policy: str, extract_answer: Callable[[str, str], str | None]
+    greedy: pa.Table | None,
+    sampled: pa.Table | None,
+    *,
+    policy: str,
+    extract_answer: Callable[[str, str, str | None], str | None],
 ) -> pa.Table:
     """One row per prompt from the scored greedy and sampled rollouts of one prompt part (same rows, same order)."""
     base = greedy if greedy is not None else sampled
     columns = base.select(["prompt_id", "data_source", "prompt_text", "ground_truth"]).to_pydict()
-    sources = columns["data_source"]
     num_rows = base.num_rows
+    # data.sources' name of a row of a source's eval_files (null for evaluate.files' rows)
+    columns["source"] = base.column("source").to_pylist() if "source" in base.column_names else [None] * num_rows
+    keys = list(zip(columns["data_source"], columns["source"]))  # what picks a row's reward, and its answer
     out: dict[str, list] = dict(columns, policy=[policy] * num_rows)
     if greedy is not None:
         g = greedy.select(["response_texts", "scores", "response_lengths", "score_errors"]).to_pydict()
         out["greedy_response"] = [texts[0] for texts in g["response_texts"]]
         out["greedy_score"] = [scores[0] for scores in g["scores"]]
-        out["greedy_answer"] = [extract_answer(t, ds) for t, ds in zip(out["greedy_response"], sources)]
+        out["greedy_answer"] = [extract_answer(t, *key) for t, key in zip(out["greedy_response"], keys)]
         out["greedy_length"] = [lengths[0] for lengths in g["response_lengths"]]
         errors = [[e[0]] for e in g["score_errors"]]
     else:
@@ -343,7 +359,7 @@ def evaluation_table(
     )
     out["sample_responses"], out["sample_scores"] = s["response_texts"], s["scores"]
     out["sample_lengths"] = s["response_lengths"]
-    out["sample_answers"] = [[extract_answer(t, ds) for t in texts] for texts, ds in zip(s["response_texts"], sources)]
+    out["sample_answers"] = [[extract_answer(t, *key) for t in texts] for texts, key in zip(s["response_texts"], keys)]
     votes = [majority_vote(a, sc) for a, sc in zip(out["sample_answers"], out["sample_scores"])]
     out["majority_answer"] = [answer for answer, _ in votes]
     out["majority_score"] = [score for _, score in votes]
@@ -353,10 +369,26 @@ def evaluation_table(
 
 
 def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> dict[str, float]:
-    """val-core / val-aux metrics of an evaluations table (all its rows)."""
+    """val-core / val-aux metrics of an evaluations table (all its rows), per data_source; and the same per
+    data.sources name, val-source/<source>/reward/<metric> (val-source-aux/<source>/...), of the rows that have
+    one (a source's eval_files)."""
+    metrics = _metrics_of(table, "data_source", pass_threshold=pass_threshold)
+    if "source" in table.column_names and table.column("source").null_count < table.num_rows:
+        sourced = table.filter(pc.is_valid(table.column("source")))
+        metrics |= _metrics_of(
+            sourced, "source", pass_threshold=pass_threshold, core="val-source", aux="val-source-aux"
+        )
+    return metrics
+
+
+def _metrics_of(
+    table: pa.Table, key: str, *, pass_threshold: float, core: str = "val-core", aux: str = "val-aux"
+) -> dict[str, float]:
+    """evaluation_metrics of ``table``'s rows grouped by the column ``key``, named ``core``/<key>/reward/... and
+    ``aux``/<key>/..."""
     d = table.select(
         [
-            "data_source",
+            key,
             "greedy_score",
             "greedy_answer",
             "greedy_length",
@@ -373,7 +405,7 @@ def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> 
         return np.asarray(rows, dtype=np.float64).reshape(len(rows), -1)
 
     return evaluation_metrics(
-        np.asarray(d["data_source"], dtype=object),
+        np.asarray(d[key], dtype=object),
         greedy_score_P=floats(d["greedy_score"])[:, 0] if has_greedy else None,
         greedy_answered_P=np.asarray([a is not None for a in d["greedy_answer"]]) if has_greedy else None,
         greedy_length_P=floats(d["greedy_length"])[:, 0] if has_greedy else None,
@@ -384,6 +416,8 @@ def evaluation_metrics_from_table(table: pa.Table, *, pass_threshold: float) -> 
         sample_lengths_PK=floats(d["sample_lengths"]) if num_samples else None,
         majority_score_P=floats(d["majority_score"])[:, 0] if num_samples else None,
         pass_threshold=pass_threshold,
+        core=core,
+        aux=aux,
     )
 
 

@@ -7,6 +7,10 @@ stage's own functions (same validation, chat template and tokenizer as training 
 resume from), into a table with its manifest and its rejects side table (``evaluation_prompts/_rejects``), and the
 evaluate stage reads that table. Its errors name ``evaluate.files``, the list the user wrote.
 
+With data.sources' ``eval_files`` the table also holds each source's held-out prompts, their ``source`` set to its
+name and their parts under a directory of that name (as ingest does for training sources); the rows of
+``evaluate.files`` have no source, as before. The evaluate stage reports the sourced rows per source too.
+
 Departures from the ingest of training prompts: plain prompts even when training is on logged data (the policy
 answers them), ``evaluate.max_prompts`` in place of ``data.max_prompts``, and no narrowing to new files
 (``run.new_files_only`` concerns the training files).
@@ -23,11 +27,12 @@ import dataclasses
 from typing import Any
 
 from batchrl.agents.prompt_tools import tool_schema_fingerprint
-from batchrl.config import PipelineConfig
+from batchrl.config import ConfigError, PipelineConfig
 from batchrl.config.models import fingerprint_dump
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code
 from batchrl.stages.ingest import check_prompt_files, ingest_prompt_files
+from batchrl.storage import expand_input_files
 
 FIELD = "evaluate.files"
 
@@ -45,7 +50,10 @@ class HeldOutStage(Stage):
         return [None] if cfg.evaluate is not None else []  # what the evaluate stage reads, when it runs
 
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
-        return [] if cfg.evaluate is None else [(FIELD, uri) for uri in cfg.evaluate.files]
+        if cfg.evaluate is None:
+            return []
+        sourced = [(eval_files_field(name), uri) for name, files in cfg.eval_files_by_source().items() for uri in files]
+        return [(FIELD, uri) for uri in cfg.evaluate.files] + sourced
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         return [ActorNeed.of(cfg.data, field="data")]  # the ingest actors
@@ -55,21 +63,44 @@ class HeldOutStage(Stage):
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         """Before anything is written: the held-out files are readable prompt tables."""
-        if cfg.evaluate is not None:
-            check_prompt_files(heldout_config(cfg), field=FIELD)
+        if cfg.evaluate is None:
+            return
+        heldout = heldout_config(cfg)
+        lists = {FIELD: list(cfg.evaluate.files)}
+        lists |= {eval_files_field(name): files for name, files in cfg.eval_files_by_source().items()}
+        owner: dict[str, str] = {}
+        for field, files in lists.items():  # each list on its own: an error names the field that lists the file
+            if not files:
+                continue
+            data = heldout.data.model_copy(update={"train_files": files})
+            check_prompt_files(heldout.model_copy(update={"data": data}), field=field)
+            for uri in expand_input_files(files, field=field):  # its rows would be ingested twice
+                if owner.setdefault(uri, field) != field:
+                    raise ConfigError(f"{field}: {uri} is listed in {owner[uri]} too; list it in one of them")
 
     def run(self, ctx: StageContext) -> StageOutput:
         if ctx.cfg.evaluate is None:
             raise AssertionError("the heldout stage was planned for a config without an evaluate: section")
-        return ingest_prompt_files(dataclasses.replace(ctx, cfg=heldout_config(ctx.cfg)), field=FIELD)
+        field = f"{FIELD} or data.sources[].eval_files" if ctx.cfg.eval_files_by_source() else FIELD
+        return ingest_prompt_files(dataclasses.replace(ctx, cfg=heldout_config(ctx.cfg)), field=field)
+
+
+def eval_files_field(source: str) -> str:
+    return f"data.sources[{source}].eval_files"
 
 
 def heldout_config(cfg: PipelineConfig) -> PipelineConfig:
     """The run's config as the ingest functions read it for the held-out prompts: data.train_files and
-    data.max_prompts are evaluate's, and plain prompts even when training is on logged data."""
-    data = cfg.data.model_copy(
-        update={"train_files": list(cfg.evaluate.files), "max_prompts": cfg.evaluate.max_prompts}
-    )
+    data.max_prompts are evaluate's, and plain prompts even when training is on logged data. With sources' eval_files,
+    data.train_files is evaluate.files then those, and data.sources the sources with eval_files, each with them as its
+    files (``ingest_rows.source_of_file`` then tags their rows); without, data.sources is left as it was."""
+    by_source = cfg.eval_files_by_source()
+    update: dict[str, Any] = {"train_files": list(cfg.evaluate.files), "max_prompts": cfg.evaluate.max_prompts}
+    if by_source:
+        update["train_files"] += [uri for files in by_source.values() for uri in files]
+        sources = [s.model_copy(update={"files": by_source[s.name]}) for s in cfg.data.sources if s.name in by_source]
+        update["sources"] = sources
+    data = cfg.data.model_copy(update=update)
     return cfg.model_copy(update={"data": data, "generate": cfg.generate.model_copy(update={"logged": None})})
 
 
@@ -93,7 +124,15 @@ def heldout_fingerprint_config(cfg: PipelineConfig) -> dict[str, Any]:
             "apply_chat_template": cfg.data.apply_chat_template,
         }
         | tool_schema_fingerprint(cfg)  # with tools, the schemas templated into the prompts
+        | eval_files_fingerprint(cfg)
     )
+
+
+def eval_files_fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
+    """data.sources' eval_files for the fingerprints of heldout and evaluate; empty without, so that those are as
+    before."""
+    by_source = cfg.eval_files_by_source()
+    return {"source_eval_files": by_source} if by_source else {}
 
 
 def overlong_prompts(cfg: PipelineConfig) -> dict[str, Any]:

@@ -93,12 +93,11 @@ class IngestStage(Stage):
         return [("data.train_files", uri) for uri in cfg.data.train_files]
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
-        # without prompts_per_iteration (generate's) or actors; nor the sources' shares (generate's) or the statistics
-        # (prompt_stats'): a source's name and files make its rows
+        # without prompts_per_iteration (generate's) or actors; nor the sources' shares (generate's), rewards (score's)
+        # and eval sets (heldout's), or the statistics (prompt_stats'): a source's name and files make its rows
         dropped = {name: True for name in placement_fields(DataConfig) | {"prompt_stats", "pass_threshold"}}
-        data = cfg.data.model_dump(
-            exclude=dropped | {"sources": {"__all__": {"weight", "count"}}}, exclude_defaults=True
-        )
+        elsewhere = {"weight", "count", "rewards", "eval_files"}
+        data = cfg.data.model_dump(exclude=dropped | {"sources": {"__all__": elsewhere}}, exclude_defaults=True)
         logged = {}
         if cfg.generate.logged is not None:  # rows need (and carry) their logged responses, cut at max_new_tokens
             logged = {"logged": cfg.generate.logged == "all" or "some", "max_new_tokens": cfg.generate.max_new_tokens}

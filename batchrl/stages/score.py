@@ -43,6 +43,7 @@ from batchrl.rewards import resolve_reward, reward_code
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
 from batchrl.rewards.detail import RewardWithDetail
 from batchrl.rewards.isolation import IsolatedRewards
+from batchrl.stages.score_sources import score_by_source, source_rewards_fingerprint, source_term_specs
 from batchrl.storage.manifest import Manifest
 from batchrl.storage.sources import check_checkpoint_source
 
@@ -69,8 +70,19 @@ class ScoreWorker(ShardWorker):
         timeout_s: float | None = None,
         reward_model: Mapping[str, Any] | None = None,
         reward_processes: int = 1,
+        source_terms: Mapping[str, list[Any]] | None = None,
     ):
+        """``source_terms``: data.sources' own reward terms by source name, which score the rows of that source
+        (score_sources); the other rows are scored with ``terms`` as before."""
         self.failure_reward = float(failure_reward)
+        self.source_terms = dict(source_terms or {})
+        self.source_workers: dict[str, ScoreWorker] = {}  # made when a shard first holds the source's rows
+        self._set_kwargs = {
+            "by_data_source": dict(by_data_source),
+            "failure_reward": failure_reward,
+            "timeout_s": timeout_s,
+            "reward_processes": reward_processes,
+        }
         specs = [as_term_spec(t) for t in terms]
         self.rewards: RewardSet | None = None
         self.isolated: IsolatedRewards | None = None
@@ -108,6 +120,29 @@ class ScoreWorker(ShardWorker):
         return [t.name for t in self.rewards.terms_for(data_source)] if self.rewards else []
 
     def process(self, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        if self.source_terms and "source" in table.column_names:
+            out, num_truncated = score_by_source(table, own_terms=self.source_terms, score_part=self._score_part)
+        else:
+            out, num_truncated = self._score(table)
+        counts = summarize_scores(out)  # of the whole shard, its sources together
+        if self.reward_model is not None:
+            counts["reward_model_truncated"] = num_truncated
+        return out, counts
+
+    def _score_part(self, source: str | None, table: pa.Table) -> tuple[pa.Table, int]:
+        """The rows of ``source`` scored with its own terms (None: with this worker's)."""
+        if source is None:
+            return self._score(table)
+        if source not in self.source_workers:
+            worker = ScoreWorker(terms=self.source_terms[source], **self._set_kwargs)
+            # the actor's one reward model scores every source's rows
+            worker.reward_model, worker.reward_model_weight = self.reward_model, self.reward_model_weight
+            self.source_workers[source] = worker
+        return self.source_workers[source]._score(table)
+
+    def _score(self, table: pa.Table) -> tuple[pa.Table, int]:
+        """The shard with its score columns, scored with this worker's reward set, and the reward model's truncated
+        texts."""
         with gc_paused():
             tasks, row_of_sample_S = sample_tasks(table)
         logged_S = logged_rewards(table, num_samples=len(tasks))
@@ -156,10 +191,7 @@ class ScoreWorker(ShardWorker):
             names_P=names_P,
             weights_K=weights_K,
         )
-        counts = summarize_scores(out)
-        if self.reward_model is not None:
-            counts["reward_model_truncated"] = num_truncated
-        return out, counts
+        return out, num_truncated
 
     def _rule_components(self, tasks: list[tuple]) -> tuple[np.ndarray, list[str | None], list[str | None]]:
         """values_SK with NaN where a term failed, each sample's errors joined and its terms' details joined (None
@@ -227,6 +259,8 @@ class ScoreWorker(ShardWorker):
         return scores_S.astype(np.float64), num_truncated
 
     def close(self) -> None:
+        for worker in getattr(self, "source_workers", {}).values():
+            worker.close()
         for process in getattr(self, "isolated_pool", []):
             process.close()
         if getattr(self, "isolated", None) is not None:
@@ -369,22 +403,24 @@ def _component_counts(table: pa.Table, *, num_samples: int) -> dict[str, float]:
     names_P = [tuple(names) for names in table.column("reward_names").to_pylist()]
     if not names_P:
         return {}
-    num_components = len(names_P[0])
-    if any(len(names) != num_components for names in names_P):
-        raise AssertionError("rows of one scores part have different numbers of reward components")
-    values_SK = pc.list_flatten(pc.list_flatten(table.column("reward_values"))).to_numpy(zero_copy_only=False)
-    values_SK = values_SK.astype(np.float64).reshape(num_samples, num_components)
+    # Rows may carry different components (a source's own terms, data.sources[].rewards): each sample's values are
+    # read at its own offset, and a component's sums gather the rows that have it, wherever it stands in them.
+    per_sample = pc.list_flatten(table.column("reward_values"))
+    values_V = pc.list_flatten(per_sample).to_numpy(zero_copy_only=False).astype(np.float64)
+    start_S = np.concatenate([[0], np.cumsum(pc.fill_null(pc.list_value_length(per_sample), 0).to_numpy())])[:-1]
     distinct = {names: i for i, names in enumerate(dict.fromkeys(names_P))}
     samples_P = pc.list_value_length(table.column("scores")).to_numpy(zero_copy_only=False)
     names_id_S = np.repeat(np.asarray([distinct[n] for n in names_P]), samples_P)
+    if len(names_id_S) != num_samples:
+        raise AssertionError(f"{len(names_id_S)} samples in the score lists, {num_samples} scores")
     counts: dict[str, float] = {}
     for names, names_id in distinct.items():
+        starts_s = start_S[names_id_S == names_id]
+        values_sK = values_V[starts_s[:, None] + np.arange(len(names))] if len(names) else np.zeros((len(starts_s), 0))
         # A sample with a logged reward ran no other component; a sample without one is not a logged failure.
-        logged_S = (
-            values_SK[names_id_S == names_id, names.index(LOGGED_COMPONENT)] if LOGGED_COMPONENT in names else None
-        )
+        logged_S = values_sK[:, names.index(LOGGED_COMPONENT)] if LOGGED_COMPONENT in names else None
         for k, name in enumerate(names):
-            column_S = values_SK[names_id_S == names_id, k]
+            column_S = values_sK[:, k]
             scored_S = ~np.isnan(column_S)
             ran_S = np.ones_like(scored_S) if logged_S is None else np.isnan(logged_S)
             if name == LOGGED_COMPONENT:
@@ -442,7 +478,7 @@ class ScoreStage(Stage):
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         code = reward_code(cfg.score)  # editing a custom reward's module re-scores
         score = fingerprint_dump(cfg.score, exclude_defaults=True)  # without reward_processes: how fast, not what
-        return {"score": score} | ({"reward_code": code} if code else {})
+        return {"score": score} | ({"reward_code": code} if code else {}) | source_rewards_fingerprint(cfg)
 
     @staticmethod
     def reward_kwargs(cfg: PipelineConfig, *, judged: bool = True) -> dict[str, Any]:
@@ -465,6 +501,7 @@ class ScoreStage(Stage):
             "timeout_s": s.timeout_s,
             "reward_model": reward_model,
             "reward_processes": s.reward_processes,
+            "source_terms": source_term_specs(cfg, judged=judged),
         }
 
     @staticmethod
@@ -534,13 +571,18 @@ def check_reward_terms(cfg: PipelineConfig, *, source: str | None = None) -> Non
     _as_config_error(lambda: ScoreStage._rule_reward_set(cfg), where=where)
     for reward in cfg.score.reward_by_data_source.values():
         _as_config_error(lambda reward=reward: resolve_reward(reward), where=where)
+    for name, terms in source_term_specs(cfg).items():  # data.sources' own terms, each checked as score.rewards'
+        field = f"data.sources[{name}].rewards"
+        _as_config_error(
+            lambda terms=terms: RewardSet(terms=terms, by_data_source={}, failure_reward=0.0), where=where, field=field
+        )
 
 
-def _as_config_error(check: Callable[[], Any], *, where: str = "") -> Any:
+def _as_config_error(check: Callable[[], Any], *, where: str = "", field: str = "score") -> Any:
     try:
         return check()
     except ValueError as err:
-        raise ConfigError(f"{where}score: {err}") from None
+        raise ConfigError(f"{where}{field}: {err}") from None
 
 
 def _check_reward_model_path(path: str) -> None:
