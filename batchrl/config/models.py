@@ -214,6 +214,26 @@ class PipelineConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_lora_push(self) -> PipelineConfig:
+        """update.lora.push: adapter serves through vLLM's LoRA support, which the hf engine lacks and vLLM's level-2
+        sleep breaks: it drops the base weights, and reloading them into an engine with LoRA enabled fails (KeyError:
+        LoRA's wrappers move each parameter under base_layer, vllm#39934, open)."""
+        if self.update.lora is None or self.update.lora.push != "adapter":
+            return self
+        if self.generate.engine == "hf":
+            raise ValueError(
+                "update.lora.push=adapter needs vLLM's LoRA serving, and generate.engine is hf: set generate.engine "
+                "vllm (or auto), or update.lora.push: merged"
+            )
+        if self.generate.engine_lifetime == "sleep":
+            raise ValueError(
+                "update.lora.push=adapter with generate.engine_lifetime=sleep: waking from vLLM's level-2 sleep "
+                "with LoRA enabled crashes the engine (vllm#39934); set generate.engine_lifetime: run or stage, or "
+                "update.lora.push: merged"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_data_sources(self) -> PipelineConfig:
         if self.data.sources is not None and self.run.epochs is not None:
             raise ValueError(

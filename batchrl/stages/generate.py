@@ -37,6 +37,13 @@ from batchrl.pipeline.deadlines import DeadlineStats, run_with_deadlines, task_r
 from batchrl.pipeline.shards import FinishedShards, ShardWorker, map_shards, pending_shards
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.references import source_digest
+from batchrl.stages.generate_adapter import (
+    AdapterPush,
+    AdapterServing,
+    adapter_read_paths,
+    adapter_serving,
+    push_fingerprint,
+)
 from batchrl.stages.generate_batches import prompt_batch
 from batchrl.stages.generate_jobs import batch_parts
 from batchrl.storage import join, local_copy
@@ -64,6 +71,7 @@ class EngineSpec:
     dtype: str
     max_model_len: int | None
     engine_kwargs: tuple[tuple[str, Any], ...]
+    adapters: AdapterServing | None = None  # update.lora.push: adapter (generate_adapter); None: merged pushes
 
 
 @dataclass(frozen=True)
@@ -91,14 +99,16 @@ class GenerateWorker(ShardWorker):
 
         started = time.perf_counter()
         self.spec = spec
+        self.adapters = None if spec.adapters is None else AdapterPush(spec.adapters)
         self.engine = make_engine(
             spec.engine,
             model_path=local_copy(spec.initial_policy),
             dtype=spec.dtype,
             max_model_len=spec.max_model_len,
-            engine_kwargs=dict(spec.engine_kwargs),
+            engine_kwargs=dict(spec.engine_kwargs) | ({} if self.adapters is None else self.adapters.engine_kwargs()),
         )
-        self.policy = spec.initial_policy
+        # with adapters the engine holds model.path, and the first shard's push decides which adapter goes over it
+        self.policy = spec.initial_policy if self.adapters is None else None
         self.unreported_build_s = time.perf_counter() - started  # reported with the first shard
         logger.info("%s engine ready in %.1f s", self.engine.name, self.unreported_build_s)
         self.settings: ShardSettings | None = None
@@ -115,11 +125,14 @@ class GenerateWorker(ShardWorker):
 
     def load_policy(self, policy: str) -> float:
         """Pushes a new checkpoint's weights into the live engine, in place (a sleeping engine wakes with them, even
-        for the policy it had); returns the seconds it took."""
+        for the policy it had), or with update.lora.push: adapter its adapter; returns the seconds it took."""
         if policy == self.policy and not self.engine.asleep:
             return 0.0
         started = time.perf_counter()
-        self.engine.load_checkpoint(local_copy(policy))
+        if self.adapters is not None:
+            self.adapters.push(self.engine, policy)
+        else:
+            self.engine.load_checkpoint(local_copy(policy))
         self.policy = policy
         elapsed = time.perf_counter() - started
         logger.info("pushed %s into the live engine in %.3f s", policy, elapsed)
@@ -329,7 +342,7 @@ class GenerateStage(Stage):
     reads_policy = "behaviour"  # with run.max_staleness, an older policy, while the previous update trains
 
     def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
-        return [("model.path", cfg.model.path)]  # the initial policy
+        return [("model.path", cfg.model.path)] + adapter_read_paths(cfg)  # the initial policy (and its adapter)
 
     def actor_needs(self, cfg: PipelineConfig) -> list[ActorNeed]:
         return [generation_actor_need(cfg)]
@@ -358,6 +371,7 @@ class GenerateStage(Stage):
             | ({"source_counts": cfg.data.source_counts()} if cfg.data.sources else {})
             | ({"curriculum": fingerprint_dump(cfg.data.curriculum)} if cfg.data.curriculum else {})
             | agent_code(cfg)
+            | push_fingerprint(cfg)  # update.lora.push: adapter only
         )
 
     def iteration_count(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> int | None:
@@ -530,6 +544,7 @@ def engine_spec(cfg: PipelineConfig) -> EngineSpec:
         dtype=cfg.model.dtype,
         max_model_len=g.max_model_len or cfg.data.max_prompt_tokens + g.response_token_budget(),
         engine_kwargs=tuple(sorted(engine_kwargs.items())),
+        adapters=adapter_serving(cfg),
     )
 
 

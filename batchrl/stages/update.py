@@ -48,7 +48,7 @@ from batchrl.config.models import UpdateConfig, fingerprint_dump
 from batchrl.pipeline.session import on_cluster
 from batchrl.pipeline.shards import verify_parts
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
-from batchrl.storage import join, local_copy, upload_file
+from batchrl.storage import is_local, join, local_copy, upload_file
 from batchrl.storage.manifest import Manifest, PartInfo
 from batchrl.tracking.progress import ProgressBar, progress
 from batchrl.trainer.state_store import TRAINER_STATE_DIR, RecordedState, TrainerStateStore, local_trainer_state
@@ -77,6 +77,14 @@ class UpdateStage(Stage):
                 gpus_field="update.num_processes",
             )
         ]
+
+    def read_paths(self, cfg: PipelineConfig) -> list[tuple[str, str]]:
+        lora = cfg.update.lora
+        return (
+            []
+            if lora is None or lora.init_from_adapter is None
+            else [("update.lora.init_from_adapter", lora.init_from_adapter)]
+        )
 
     def check_inputs(self, cfg: PipelineConfig) -> None:
         # the split beside the engines: the session's check_devices
@@ -128,6 +136,8 @@ class UpdateStage(Stage):
             config["max_staleness"] = cfg.run.max_staleness
         if u.mini_batch_grain == "sample":  # in it only when set: the fingerprints from before it existed stay
             config["update"].pop("mini_batch_grain")
+        if u.lora is not None:  # how the engines get the policy (generate's and evaluate's business), not what it is
+            config["update"]["lora"].pop("push")
         return config
 
     def run(self, ctx: StageContext) -> StageOutput:
@@ -301,9 +311,16 @@ def check_rank_devices(u: UpdateConfig, *, cluster: bool) -> None:
 
 def check_lora_targets(cfg: PipelineConfig) -> None:
     """ConfigError naming update.lora.target_modules when a name matches no module of model.path's architecture,
-    read from its config alone (the model is built on the meta device). Checked for a local model.path only:
-    validation reads no object storage, and a hub or s3 model is checked by PEFT when the ranks load it."""
+    read from its config alone (the model is built on the meta device), or update.lora.init_from_adapter when a
+    local one is no PEFT adapter directory. Checked locally only: validation reads no object storage, and a hub or
+    s3 model (or adapter) is checked by PEFT when the ranks load it."""
     lora = cfg.update.lora
+    init = None if lora is None else lora.init_from_adapter
+    if init is not None and is_local(init) and not (Path(init) / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"update.lora.init_from_adapter={init!r} holds no adapter_config.json: name a PEFT adapter directory "
+            "(a LoRA run's iter_*/policy/adapter)"
+        )
     if lora is None or isinstance(lora.target_modules, str) or not Path(cfg.model.path).is_dir():
         return
     from batchrl.trainer.lora import model_module_names, unmatched_targets
@@ -382,9 +399,11 @@ def _advantages_files(ctx: StageContext) -> list[str]:
 def _local_spec(ctx: StageContext, scratch: str, state: RecordedState | None):
     """The UpdateSpec for the local launcher: the policies and the trainer state made local, the advantages read in
     place, every output in `scratch`, published after."""
+    from batchrl.trainer.lora import with_local_init_adapter
+
     u = ctx.cfg.update
     behaviour = _behaviour_policy(ctx)
-    return _spec(
+    spec = _spec(
         ctx,
         policy_in=local_copy(ctx.policy_in),
         reference_policy=local_copy(ctx.cfg.model.path) if u.kl_loss_coef > 0 else None,
@@ -397,6 +416,10 @@ def _local_spec(ctx: StageContext, scratch: str, state: RecordedState | None):
         out_dir=scratch,
         metrics_path=str(Path(scratch) / "metrics.json"),
     )
+    # update.lora.init_from_adapter on object storage: downloaded into the scratch directory (an s3:// URI is not a
+    # directory PEFT can load)
+    local_update = with_local_init_adapter(spec.update, policy_in=spec.policy_in, scratch=Path(scratch))
+    return dataclasses.replace(spec, update=local_update)
 
 
 def _spec(

@@ -6,6 +6,7 @@ environment (AWS_* variables, including AWS_ENDPOINT_URL for S3-compatible store
 
 from batchrl.storage.fs import (
     StorageError,
+    download_dir,
     expand_input_files,
     file_identities,
     is_local,
@@ -26,6 +27,7 @@ from batchrl.storage.layout import RunLayout
 __all__ = [
     "RunLayout",
     "StorageError",
+    "download_dir",
     "expand_input_files",
     "file_identities",
     "is_transient_storage_error",

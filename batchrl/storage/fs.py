@@ -273,12 +273,7 @@ def local_copy(uri: str) -> str:
     if (target / ".complete").exists():
         return str(target)
     tmp = cache_root / f".tmp-{uuid.uuid4().hex}"
-    for remote in fs.find(path):
-        relative = remote[len(path.rstrip("/")) + 1 :]
-        if relative.startswith("_"):
-            continue  # manifests and markers are not part of the checkpoint
-        (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(remote, str(tmp / relative))
+    download_dir(uri, str(tmp))
     (tmp / ".complete").write_text(uri)
     try:
         os.replace(tmp, target)
@@ -287,6 +282,26 @@ def local_copy(uri: str) -> str:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def download_dir(uri: str, target: str) -> str:
+    """Copies the files under the object-store directory ``uri`` into the local directory ``target`` (made), but
+    for manifests and markers (names starting with _), which are not part of a checkpoint; returns ``target``.
+    Uncached, for small directories read once (a LoRA adapter: `local_copy` keys its cache by the directory's
+    manifest, which an adapter/ inside a policy has not)."""
+    from pathlib import Path
+
+    fs, path = resolve(uri)
+    files = fs.find(path)
+    if not files:
+        raise FileNotFoundError(f"{uri} holds no files")
+    for remote in files:
+        relative = remote[len(path.rstrip("/")) + 1 :]
+        if relative.startswith("_"):
+            continue
+        (Path(target) / relative).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(Path(target) / relative))
+    return target
 
 
 def upload_file(local_path: str, uri: str) -> None:

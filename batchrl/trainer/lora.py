@@ -92,6 +92,23 @@ def adapter_source(policy_in: str, *, lora_base: str, init_from_adapter: str | N
     return init_from_adapter
 
 
+def with_local_init_adapter(update: UpdateConfig, *, policy_in: str, scratch: Path) -> UpdateConfig:
+    """`update` with update.lora.init_from_adapter on object storage downloaded under `scratch` and named by its
+    local path there, when this update continues it (`policy_in`, local, holds no adapter/); else `update` as it is.
+    Downloaded each time, not cached: an adapter is small, and one re-written at the same URI must not be served
+    from a stale copy."""
+    from batchrl.storage import download_dir, is_local
+
+    lora = update.lora
+    if lora is None or lora.init_from_adapter is None or is_local(lora.init_from_adapter):
+        return update
+    if (Path(policy_in) / ADAPTER_DIR / "adapter_config.json").is_file():
+        return update  # a later iteration: the input policy's own adapter continues
+    local = download_dir(lora.init_from_adapter, str(scratch / "init_adapter"))
+    logger.info("downloaded update.lora.init_from_adapter %s to %s", lora.init_from_adapter, local)
+    return update.model_copy(update={"lora": lora.model_copy(update={"init_from_adapter": local})})
+
+
 def same_weights(a: str, b: str) -> bool:
     """Whether two local checkpoints hold the same weight files, byte for byte (a copy of the base: an update that
     had no rows to train on carries its input policy forward, and at the first iteration that is model.path)."""

@@ -201,14 +201,18 @@ class RankActor:
 
 def stage_inputs(spec: UpdateSpec, scratch: Path) -> UpdateSpec:
     """`spec` with every input readable on this node and every output under `scratch` (see module docstring)."""
+    from batchrl.trainer.lora import with_local_init_adapter
+
     trainer_state_in = None
     if spec.trainer_state_in is not None:
         trainer_state_in = _local_dir(spec.trainer_state_in, scratch / "trainer_state_in")
         if spec.trainer_state_sha256 is not None and not is_local(spec.trainer_state_in):
             verify_dir(trainer_state_in, spec.trainer_state_sha256)
+    policy_in = local_copy(spec.policy_in)
     return dataclasses.replace(
         spec,
-        policy_in=local_copy(spec.policy_in),
+        update=with_local_init_adapter(spec.update, policy_in=policy_in, scratch=scratch),
+        policy_in=policy_in,
         reference_policy=None if spec.reference_policy is None else local_copy(spec.reference_policy),
         behaviour_policy=None if spec.behaviour_policy is None else local_copy(spec.behaviour_policy),
         lora_base=None if spec.lora_base is None else local_copy(spec.lora_base),
