@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from batchrl.errors import type_phrase
@@ -125,12 +126,29 @@ class LabelRule:
     ground truth unless it is marked ``@label_free`` (batchrl.rewards.labels); the reward model needs none.
     Resolving a reward imports a user's module: an unknown reward raises ValueError here, as at scoring."""
 
-    def __init__(self, score: Any):
+    def __init__(self, score: Any, *, sources: Any = None):
+        """``sources``: data.sources, whose own reward terms (``rewards``) run on their rows instead of score's
+        (`for_source`)."""
+        self.score = score
         self.overrides = dict(score.reward_by_data_source)
         self.by_source = not score.rewards and score.reward_model is None
         needing = [t.component_name for t in score.rewards if needs_ground_truth(resolve_reward(t.reward))]
         self.term = needing[0] if needing else None
         self._cache: dict[str, str | None] = {}
+        self._own_terms = {s.name: s.rewards for s in sources or [] if s.rewards}
+        self._of_source: dict[str, LabelRule] = {}
+
+    def for_source(self, source: str | None) -> LabelRule:
+        """The rule of the rows of data.sources ``source``: its own terms' (with the reward model) if it has any,
+        else this one."""
+        if source not in self._own_terms:
+            return self
+        if source not in self._of_source:
+            own = SimpleNamespace(
+                rewards=self._own_terms[source], reward_model=self.score.reward_model, reward_by_data_source={}
+            )
+            self._of_source[source] = LabelRule(own)
+        return self._of_source[source]
 
     def needing_label(self, data_source: str) -> str | None:
         """The name of a reward that runs on rows of ``data_source`` and needs a ground truth; None if none does."""

@@ -32,6 +32,7 @@ from batchrl.config.models import fingerprint_dump
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import reward_code
 from batchrl.stages.ingest import check_prompt_files, ingest_prompt_files
+from batchrl.stages.score_sources import source_rewards_fingerprint
 from batchrl.storage import expand_input_files
 
 FIELD = "evaluate.files"
@@ -129,10 +130,10 @@ def heldout_fingerprint_config(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def eval_files_fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
-    """data.sources' eval_files for the fingerprints of heldout and evaluate; empty without, so that those are as
-    before."""
+    """data.sources' eval_files for the fingerprints of heldout and evaluate, with the sources' own rewards (which of
+    their rows need a label, as score's for the others); empty without, so that those are as before."""
     by_source = cfg.eval_files_by_source()
-    return {"source_eval_files": by_source} if by_source else {}
+    return ({"source_eval_files": by_source} | source_rewards_fingerprint(cfg)) if by_source else {}
 
 
 def overlong_prompts(cfg: PipelineConfig) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from batchrl.pipeline.shards import ACTOR_MAX_RESTARTS, SHARD_MAX_RETRIES
 from batchrl.pipeline.stage import ActorNeed, Stage, StageContext, StageOutput, register
 from batchrl.rewards import LabelRule
 from batchrl.stages.ingest_duplicates import later_occurrences, map_groups
-from batchrl.stages.ingest_rows import check_columns, files_by_source, rewards_need_data_source
+from batchrl.stages.ingest_rows import check_columns, files_by_source, rewards_need_data_source, source_of_file
 from batchrl.stages.ingest_worker import IngestWorker, merge_windows, stream_windows
 from batchrl.storage import StorageError, expand_input_files, is_local, join, resolve
 from batchrl.storage.inputs import SPLIT_ROWS, Chunk, InputFile, describe_inputs, plan_chunks
@@ -170,18 +170,22 @@ def ingest_prompt_files(ctx: StageContext, *, field: str) -> StageOutput:
 
 def check_files(files: list[InputFile], cfg: PipelineConfig, *, field: str) -> None:
     """DataError naming the first file without a required column (a JSONL file: in its first record)."""
-    needs_data_source = rewards_need_data_source(cfg)
     try:
-        # every iteration logged: a row whose responses all carry rewards needs no label (checked row by row)
-        needs_ground_truth = LabelRule(cfg.score).every_row and cfg.generate.logged != "all"
+        labels = LabelRule(cfg.score, sources=cfg.data.sources)
     except ValueError as err:  # an unknown reward: named by the score stage's own check too
         raise ConfigError(f"score: {err}") from None
     for file in files:
+        source = source_of_file(cfg, file.uri)  # a source's own reward terms decide for its files
+        try:
+            # every iteration logged: a row whose responses all carry rewards needs no label (checked row by row)
+            needs_ground_truth = labels.for_source(source).every_row and cfg.generate.logged != "all"
+        except ValueError as err:
+            raise ConfigError(f"data.sources[{source}].rewards: {err}") from None
         if not (file.jsonl and file.empty):
             check_columns(
                 file.uri,
                 set(file.columns),
-                needs_data_source=needs_data_source,
+                needs_data_source=rewards_need_data_source(cfg, source=source),
                 needs_ground_truth=needs_ground_truth,
                 needs_responses=cfg.generate.logged is not None,
                 field=field,

@@ -265,9 +265,11 @@ def count_truncated(rows: list[dict[str, Any]], tokenizer: Callable[[], Any], *,
     return sum(len(one) > data.max_prompt_tokens for one in ids)
 
 
-def rewards_need_data_source(cfg: PipelineConfig) -> bool:
-    """Whether each row's reward is chosen by its data_source (no score.rewards terms, no reward model alone)."""
-    return not cfg.score.rewards and cfg.score.reward_model is None
+def rewards_need_data_source(cfg: PipelineConfig, *, source: str | None = None) -> bool:
+    """Whether each row's reward (of data.sources ``source``) is chosen by its data_source (no score.rewards terms,
+    no reward model alone, no terms of its source's own)."""
+    own = any(s.name == source and s.rewards for s in cfg.data.sources or [])
+    return not own and not cfg.score.rewards and cfg.score.reward_model is None
 
 
 def check_columns(

@@ -50,6 +50,8 @@ from batchrl.storage.schemas import absent_as_null, load_schema
 
 logger = logging.getLogger(__name__)
 
+SOURCE_DATA_SOURCE = "source_data_source"  # a prompts manifest's count of the rows of one data_source in one source
+
 
 class IngestWorker(DuplicatesWorker):
     """A Ray actor of ingest's IngestPool (or the driver's own worker): ``run_job(job) -> result``. A data
@@ -60,7 +62,7 @@ class IngestWorker(DuplicatesWorker):
     def __init__(self, *, cfg: PipelineConfig, output_dir: str):
         self.cfg = cfg
         self.output_dir = output_dir
-        self.labels = LabelRule(cfg.score)
+        self.labels = LabelRule(cfg.score, sources=cfg.data.sources)
         self._tokenizer = None
 
     def run_job(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -163,6 +165,8 @@ def ingest_window(
     """``records`` ((row number, record or why not), as read_chunk gives them) of ``chunk``'s ``window``-th window
     (0 for a chunk read whole) validated, templated and tokenized into its parts and its rejects part."""
     data = cfg.data
+    source = source_of_file(cfg, chunk.uri)  # data.sources: the rows' source, and the directory of their parts
+    labels = labels.for_source(source)  # a source's own reward terms say which of its rows need a label
     rows, rejects = [], []
     for row_number, raw in records:
         if isinstance(raw, str):  # a JSONL line that is not a JSON object
@@ -183,7 +187,6 @@ def ingest_window(
     for row in rows:
         reject = fit_length(row, tokenizer, max_tokens=data.max_prompt_tokens, policy=data.overlong_prompts)
         (kept if reject is None else rejects).append(row if reject is None else reject)
-    source = source_of_file(cfg, chunk.uri)  # data.sources: the rows' source, and the directory of their parts
     tables = [
         prompt_table(kept[start : start + data.shard_size], source=source)
         for start in range(0, len(kept), data.shard_size)
@@ -224,13 +227,22 @@ def write_rejects(name: str, rejects: list[dict[str, Any]], *, output_dir: str) 
 
 
 def chunk_counts(tables: list[pa.Table], *, rejects: list[Reject], truncated: int) -> dict[str, int]:
-    """prompts, rejected, rejected/<reason>, data_source/<name>, truncated_prompts of one chunk."""
+    """prompts, rejected, rejected/<reason>, data_source/<name>, truncated_prompts of one chunk; with data.sources,
+    source_data_source/<source>/<name> too (which data_sources a source holds: the score stage's preflight)."""
     counts = {"prompts": sum(t.num_rows for t in tables), "truncated_prompts": truncated}
     counts.update(_reject_counts([r.reason for r in rejects]))
     for table in tables:
-        for source in table.column("data_source").to_pylist():
-            counts[f"data_source/{source}"] = counts.get(f"data_source/{source}", 0) + 1
+        for key in _data_source_keys(table.select(["data_source", "source"]).to_pylist()):
+            counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def _data_source_keys(rows: list[dict[str, Any]]) -> Iterator[str]:
+    """data_source/<name> of each row, and source_data_source/<source>/<name> of each row with a source."""
+    for row in rows:
+        yield f"data_source/{row['data_source']}"
+        if row.get("source") is not None:
+            yield f"{SOURCE_DATA_SOURCE}/{row['source']}/{row['data_source']}"
 
 
 def rewrite_chunk(
@@ -276,7 +288,7 @@ def rewrite_chunk(
 def _tally(rows: list[dict[str, Any]], tokenizer: Callable[[], Any], *, cfg: PipelineConfig) -> Counter:
     """The counts ``rows`` (prompt rows removed from a chunk) take along: prompts, truncated_prompts and
     data_source/<name>."""
-    tally = Counter(f"data_source/{row['data_source']}" for row in rows)
+    tally = Counter(_data_source_keys(rows))
     tally.update(prompts=len(rows), truncated_prompts=count_truncated(rows, tokenizer, cfg=cfg))
     return tally
 
@@ -286,7 +298,7 @@ def _counts_less(counts: dict[str, int], removed: Counter) -> dict[str, int]:
     out = {k: v for k, v in counts.items() if not k.startswith("rejected")}
     for key, value in removed.items():
         out[key] -= value
-        if key.startswith("data_source/") and not out[key]:
+        if key.startswith(("data_source/", SOURCE_DATA_SOURCE)) and not out[key]:
             del out[key]
     return out
 

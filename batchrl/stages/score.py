@@ -43,7 +43,12 @@ from batchrl.rewards import resolve_reward, reward_code
 from batchrl.rewards.combine import RewardSet, TermSpec, as_term_spec, combine_components, sample_row
 from batchrl.rewards.detail import RewardWithDetail
 from batchrl.rewards.isolation import IsolatedRewards
-from batchrl.stages.score_sources import score_by_source, source_rewards_fingerprint, source_term_specs
+from batchrl.stages.score_sources import (
+    data_sources_scored_as_before,
+    score_by_source,
+    source_rewards_fingerprint,
+    source_term_specs,
+)
 from batchrl.storage.manifest import Manifest
 from batchrl.storage.sources import check_checkpoint_source
 
@@ -524,9 +529,9 @@ class ScoreStage(Stage):
                 _check_reward_model_path(path)
 
     def preflight(self, cfg: PipelineConfig, *, tables: dict[str, Manifest]) -> None:
-        """After ingest, before any generation: every data_source in the prompts has a reward."""
-        counts = tables["prompts"].counts  # ingest counts the rows of each data_source
-        self.check_data_sources(cfg, sorted(k.split("/", 1)[1] for k in counts if k.startswith("data_source/")))
+        """After ingest, before any generation: every data_source in the prompts has a reward (but those whose rows
+        all belong to sources with their own terms)."""
+        self.check_data_sources(cfg, data_sources_scored_as_before(cfg, tables["prompts"].counts))
 
     def check_data_sources(self, cfg: PipelineConfig, data_sources: list[str]) -> None:
         """Every data source has a reward (unless the reward model scores alone): a ConfigError names the first

@@ -57,6 +57,19 @@ def source_rewards_fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
     return {"source_rewards": rewards} | ({"source_reward_code": code} if code else {})
 
 
+def data_sources_scored_as_before(cfg: PipelineConfig, counts: Mapping[str, int]) -> list[str]:
+    """The data_sources of a prompts table (its manifest's ``counts``) with rows that no source's own terms score:
+    ingest counts the rows of each data_source (data_source/<name>) and, with sources, of each in each source
+    (source_data_source/<source>/<name>; a table ingested before those counts has none: every data_source then)."""
+    own = {s.name for s in cfg.data.sources or [] if s.rewards}
+    totals = {k.split("/", 1)[1]: v for k, v in counts.items() if k.startswith("data_source/")}
+    for key, value in counts.items():
+        if key.startswith("source_data_source/") and key.split("/", 2)[1] in own:
+            name = key.split("/", 2)[2]
+            totals[name] = totals.get(name, 0) - value
+    return sorted(name for name, rows in totals.items() if rows > 0)
+
+
 def rows_by_source(source_P: Sequence[str | None], *, own: Collection[str]) -> list[tuple[str | None, np.ndarray]]:
     """The row indices of each source in ``own`` (those with their own terms), and of the other rows (key None), in
     the order each key first appears."""

@@ -222,3 +222,68 @@ def test_a_real_evaluation_agrees_with_the_reward_and_resamples_identically(engi
     _, again = run_evaluate(cfg, "second", engine_pool)
     assert again.column("sample_responses").to_pylist() == table.column("sample_responses").to_pylist()
     assert again.column("greedy_response").to_pylist() == table.column("greedy_response").to_pylist()
+
+
+def test_a_sources_eval_files_are_held_out_under_its_name_scored_by_its_terms_and_reported_per_source(
+    engine_pool, tmp_path, toy_model_dir
+):
+    """evaluate.files (no source) and the chat source's eval_files, in one held-out table: the chat rows carry their
+    source and are scored by its own term (format_hash, weight 2), the others by arith's default; val-core stays
+    per data_source over every row, and val-source/chat/* covers the chat rows alone."""
+    import pyarrow.parquet as pq
+
+    build_arith_prompts(str(tmp_path / "core"), num_prompts=3, num_shards=1, seed=11)
+    chat = tmp_path / "chat_eval.parquet"
+    rows = [{"prompt_id": f"chat-{i}", "data_source": "arith", "prompt": f"What is {i} + 2?"} for i in range(2)]
+    pq.write_table(pa.Table.from_pylist([r | {"ground_truth": str(i + 2)} for i, r in enumerate(rows)]), chat)
+    cfg = validate_dict(
+        {
+            "name": "ev",
+            "run": {"root": str(tmp_path / "runs"), "seed": 3, "iterations": 1},
+            "model": {"path": toy_model_dir},
+            "data": {
+                "sources": [
+                    {"name": "math", "files": ["m.parquet"], "count": 1},
+                    {
+                        "name": "chat",
+                        "files": ["c.parquet"],
+                        "count": 1,
+                        "rewards": [{"reward": "format_hash", "name": "fmt", "weight": 2.0}],
+                        "eval_files": [str(chat)],
+                    },
+                ],
+                "prompts_per_iteration": 2,
+                "max_prompt_tokens": 96,
+            },
+            "generate": {"engine": "hf", "max_new_tokens": 6},
+            "evaluate": {"files": [str(tmp_path / "core")], "num_samples": 2, "max_new_tokens": 4},
+        }
+    )
+    HeldOutStage().check_inputs(cfg)
+    run_dir = RunLayout.for_run(cfg.run.root, cfg.run_id).run_dir
+    _, prompts = run_stage(HeldOutStage(), cfg, output_dir=f"{run_dir}/evaluation_prompts", inputs={})
+    assert [p.name for p in prompts.parts] == ["part-00000.parquet", "chat/part-00001.parquet"]
+    inputs = {"evaluation_prompts": (f"{run_dir}/evaluation_prompts", prompts)}
+    output, _ = run_stage(EvaluateStage(), cfg, output_dir=f"{run_dir}/ev", inputs=inputs, engines=engine_pool)
+    table = pa.concat_tables([read_parquet(f"{run_dir}/ev/{part.name}") for part in output.parts])
+    assert table.column("source").to_pylist() == [None, None, None, "chat", "chat"]
+    scores = read_parquet(f"{run_dir}/ev/_scores/greedy-chat/part-00001.parquet")
+    assert scores.column("reward_names").to_pylist() == [["fmt"], ["fmt"]]
+    assert (
+        read_parquet(f"{run_dir}/ev/_scores/greedy-part-00000.parquet").column("reward_names").to_pylist()
+        == [["gsm8k"]] * 3
+    )
+    from batchrl.rewards.basic import format_hash
+
+    chat_rows = [r for r in table.to_pylist() if r["source"] == "chat"]
+    assert [r["greedy_score"] for r in chat_rows] == [2.0 * format_hash(r["greedy_response"]) for r in chat_rows]
+    greedy = [r["greedy_score"] for r in table.to_pylist()]
+    assert output.stats["val-core/arith/reward/mean@1"] == pytest.approx(np.mean(greedy))
+    assert output.stats["val-source/chat/reward/mean@1"] == pytest.approx(
+        np.mean([r["greedy_score"] for r in chat_rows])
+    )
+    assert output.stats["val-source-aux/chat/num_prompts"] == 2
+    assert {"val-source/chat/reward/mean@2", "val-source/chat/reward/pass@2", "val-source/chat/reward/maj@2"} <= set(
+        output.stats
+    )
+    assert not [name for name in output.stats if name.startswith("val-source/math")]  # no eval_files: no metrics

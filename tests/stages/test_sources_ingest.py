@@ -12,6 +12,7 @@ from test_ingest import make_ctx, tokenizer_dir  # noqa: F401  (a fixture)
 
 from batchrl.algorithms.mixing import mixed_batch, source_of_part
 from batchrl.config import ConfigError
+from batchrl.errors import DataError
 from batchrl.stages.ingest import IngestStage
 from batchrl.storage import read_parquet
 
@@ -63,3 +64,31 @@ def test_a_missing_file_of_a_source_is_a_config_error_naming_that_source(tmp_pat
     sources = [{"name": "x", "files": [str(tmp_path / "gone.parquet")], "count": 1}]
     with pytest.raises(ConfigError, match=r"data\.sources\[0\]\.files"):
         ingest(tmp_path, tokenizer_dir, [str(tmp_path / "gone.parquet")], {"sources": sources})
+
+
+def test_a_sources_own_label_free_rewards_let_its_rows_come_without_labels_or_a_rewarded_data_source(
+    tmp_path, tokenizer_dir
+):
+    """score.rewards is empty (each data_source's default reward, which needs a label), and the chat source scores
+    with its own format_hash, which needs none: its file needs neither a ground_truth column nor a data_source with a
+    default reward, none of its rows is rejected, and the score stage's preflight asks a reward of arith only."""
+    from batchrl.stages.score import ScoreStage
+    from batchrl.stages.score_sources import data_sources_scored_as_before
+    from batchrl.storage.manifest import Manifest
+
+    math = prompts_file(tmp_path / "math.parquet", "m", 3)
+    chat = tmp_path / "chat.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data_source": "chat", "prompt": f"Say hi {i}"} for i in range(4)]), chat)
+    sources = [
+        {"name": "math", "files": [math], "count": 1},
+        {"name": "chat", "files": [str(chat)], "count": 1, "rewards": [{"reward": "format_hash"}]},
+    ]
+    ctx, out = ingest(tmp_path, tokenizer_dir, [math, str(chat)], {"sources": sources, "prompts_per_iteration": 2})
+    assert out.counts["prompts"] == 7 and out.counts["rejected"] == 0
+    assert out.counts["source_data_source/chat/chat"] == 4 and out.counts["source_data_source/math/arith"] == 3
+    assert data_sources_scored_as_before(ctx.cfg, out.counts) == ["arith"]
+    manifest = Manifest("ingest", "prompts", None, "x", out.parts, "prompts", 0.0, 1.0, out.counts)
+    ScoreStage().preflight(ctx.cfg, tables={"prompts": manifest})  # no "no reward for data_source 'chat'"
+    without = [dict(s, rewards=None) if s["name"] == "chat" else s for s in sources]
+    with pytest.raises(DataError, match="no 'ground_truth'"):  # the same file, scored by the defaults: it needs labels
+        ingest(tmp_path / "again", tokenizer_dir, [math, str(chat)], {"sources": without, "prompts_per_iteration": 2})

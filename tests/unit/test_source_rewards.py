@@ -14,10 +14,11 @@ import pytest
 import batchrl.stages  # noqa: F401  (registers the built-in stages)
 from batchrl.config import ConfigError, load_pipeline, validate_dict
 from batchrl.pipeline.plan import build_plan
+from batchrl.rewards import LabelRule
 from batchrl.rewards.combine import TermSpec
 from batchrl.stages.code_checks import check_code_references
 from batchrl.stages.score import ScoreStage, ScoreWorker, score_stats
-from batchrl.stages.score_sources import rows_by_source
+from batchrl.stages.score_sources import data_sources_scored_as_before, rows_by_source
 from batchrl.storage.schemas import conform
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +186,30 @@ def test_the_score_stage_hands_its_workers_the_sources_terms_without_the_judge_t
     cfg = sources_config(sources=sources)
     assert ScoreStage.reward_kwargs(cfg)["source_terms"] == {"chat": [TermSpec("format_hash", 0.5, name="fmt")]}
     assert ScoreStage.reward_kwargs(sources_config(sources=[source("math")]))["source_terms"] == {}
+
+
+def test_a_sources_own_terms_decide_which_of_its_rows_need_a_label():
+    chat = source("chat", rewards=[{"reward": "format_hash"}])
+    cfg = sources_config(sources=[source("math"), chat])
+    rule = LabelRule(cfg.score, sources=cfg.data.sources)
+    assert rule.for_source("math").needing_label("arith") == "gsm8k" and rule.for_source(None) is rule
+    assert rule.for_source("chat").needing_label("arith") is None and not rule.for_source("chat").every_row
+
+
+def test_the_preflight_asks_a_reward_only_of_data_sources_with_rows_no_sources_own_terms_score():
+    cfg = sources_config(sources=[source("math"), source("chat", rewards=[{"reward": "format_hash"}])])
+    counts = {
+        "data_source/arith": 5,
+        "data_source/chat": 4,
+        "data_source/mixed": 3,
+        "source_data_source/math/arith": 5,
+        "source_data_source/chat/chat": 4,
+        "source_data_source/chat/mixed": 2,
+        "source_data_source/math/mixed": 1,
+    }
+    assert data_sources_scored_as_before(cfg, counts) == ["arith", "mixed"]
+    # a table ingested before the per-source counts: every data_source, as before
+    assert data_sources_scored_as_before(cfg, {"data_source/chat": 4}) == ["chat"]
 
 
 # ------------------------------------------------------------------------------------------ fingerprints
