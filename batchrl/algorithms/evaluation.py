@@ -15,6 +15,10 @@ https://arxiv.org/abs/2107.03374) over the n = k responses, exact, where verl re
 bootstrap; maj@k is the exact vote over the k responses (no bootstrap), and a response without an answer
 abstains instead of voting for "no answer".
 
+The evaluate stage also groups the same metrics by data.sources name, for the held-out rows of a source's
+eval_files: ``val-source/<source>/reward/<metric>`` and ``val-source-aux/<source>/...`` (the ``core``/``aux``
+arguments).
+
 Extracting answers, generating and scoring are the evaluate stage's (batchrl/stages/evaluate.py); this module
 sees only answers, rewards and lengths.
 """

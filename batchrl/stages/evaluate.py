@@ -15,11 +15,15 @@ that iteration i's update wrote; ``ctx.policy_in`` is the policy evaluated (see 
 Metrics, named as verl's validation (``val-core/<data_source>/reward/<metric>``; aux ones under ``val-aux/``):
 mean@1 (greedy), mean@k, pass@k (reward >= ``evaluate.pass_threshold``) and maj@k, computed by
 batchrl.algorithms.evaluation, whose docstring lists them and their departures from verl. For maj@k, answers
-are extracted as the data_source's reward reads them: ``#### n`` for gsm8k, the last ``\\boxed{}`` for math,
-else the stripped response. Sampled responses use the same seeds for every policy evaluated (common random
-numbers), so a change between two evaluations is the policy's, not the dice's. With tools or an environment, the
-held-out samples' (greedy and sampled together) tool use is generate's tools/* or environment/* metrics under
-``val-aux/`` (`loop_stats`: val-aux/tools/use_rate, val-aux/tools/turns_mean, ...), from the shards' counts.
+are extracted as the row's first reward reads them: ``#### n`` for gsm8k, the last ``\\boxed{}`` for math,
+else the stripped response. Held-out rows of a data.sources entry's eval_files (``source`` set by the heldout
+stage) are scored by that source's own terms, as in training, and reported again per source as
+``val-source/<source>/reward/<metric>`` (aux: ``val-source-aux/<source>/...``), the same metrics over its rows
+alone; val-core stays per data_source over every row. Sampled responses use the same seeds for every policy
+evaluated (common random numbers), so a change between two evaluations is the policy's, not the dice's. With tools
+or an environment, the held-out samples' (greedy and sampled together) tool use is generate's tools/* or
+environment/* metrics under ``val-aux/`` (`loop_stats`: val-aux/tools/use_rate, val-aux/tools/turns_mean, ...),
+from the shards' counts.
 """
 
 from __future__ import annotations
