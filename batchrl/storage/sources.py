@@ -132,6 +132,8 @@ def check_s3_credentials(cfg: PipelineConfig) -> None:
     ] + [("data.train_files", f) for f in cfg.data.train_files]
     if cfg.evaluate is not None:
         named += [("evaluate.files", f) for f in cfg.evaluate.files]
+        by_source = cfg.eval_files_by_source()
+        named += [(f"data.sources[{name}].eval_files", f) for name, files in by_source.items() for f in files]
     if cfg.score.reward_model is not None:
         named.append(("score.reward_model.path", cfg.score.reward_model.path))
     on_s3 = [(name, uri) for name, uri in named if uri and uri.startswith(("s3://", "s3a://"))]

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from harness import cli, write_yaml
 
 import batchrl.stages  # noqa: F401  (registers the built-in stages)
 from batchrl.config import ConfigError, load_pipeline, validate_dict
@@ -84,6 +85,27 @@ def test_a_sources_reward_that_does_not_resolve_or_bind_is_named_where_the_pipel
     cfg = sources_config(sources=[source("math"), source("chat", rewards=[term])])
     with pytest.raises(ConfigError, match=message):
         check_code_references(cfg)
+
+
+def test_validate_refuses_a_sources_bad_reward_param_with_exit_2_and_one_line_before_any_work(tmp_path):
+    raw = {
+        "name": "p",
+        "run": {"root": str(tmp_path / "runs")},
+        "model": {"path": "m"},
+        "data": {
+            "sources": [
+                source("math"),
+                source("chat", rewards=[{"reward": "code_tests", "params": {"mode": "most"}}]),
+            ],
+            "prompts_per_iteration": 2,
+        },
+    }
+    path = write_yaml(tmp_path / "p.yaml", raw)
+    result = cli("validate", path)
+    assert result.returncode == 2, result.stderr
+    message = "data.sources[chat].rewards: reward 'code_tests': params.mode='most' must be one of"
+    assert result.stderr.startswith(f"config error: {path}: {message}"), result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "runs").exists()
 
 
 # ------------------------------------------------------------------------------------------ scoring
