@@ -94,8 +94,10 @@ class IngestStage(Stage):
 
     def fingerprint_config(self, cfg: PipelineConfig) -> dict[str, Any]:
         # without prompts_per_iteration (generate's) or actors; nor the sources' shares (generate's), rewards (score's)
-        # and eval sets (heldout's), or the statistics (prompt_stats'): a source's name and files make its rows
-        dropped = {name: True for name in placement_fields(DataConfig) | {"prompt_stats", "pass_threshold"}}
+        # and eval sets (heldout's), the statistics (prompt_stats') or the curriculum (generate's batches): a source's
+        # name and files make its rows
+        sampling = {"prompt_stats", "pass_threshold", "curriculum"}
+        dropped = {name: True for name in placement_fields(DataConfig) | sampling}
         elsewhere = {"weight", "count", "rewards", "eval_files"}
         data = cfg.data.model_dump(exclude=dropped | {"sources": {"__all__": elsewhere}}, exclude_defaults=True)
         logged = {}

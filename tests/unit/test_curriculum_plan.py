@@ -46,6 +46,12 @@ def test_the_curriculum_changes_generates_fingerprint_only_when_configured():
     assert all(a.fingerprint != b.fingerprint for a, b in zip(other_k, with_curriculum))
 
 
+def test_turning_the_curriculum_on_does_not_reingest():
+    """How batches are drawn is generate's: the prompts table of a run without it serves a run with it."""
+    ingest = [{s.name: s.fingerprint for s in plan(o).values()}["ingest"] for o in (BATCHES, [*BATCHES, CURRICULUM])]
+    assert ingest[0] == ingest[1]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
