@@ -26,6 +26,8 @@ OPT_IN = {  # stem -> why it is not in the default run
     "bench_trl": "needs the bench extra (pip install -e '.[bench]') and takes ~5 min on 2 idle cores (12 iterations "
     "of batchrl and of TRL's GRPOTrainer, 3 evaluations; 2-3x that on a busy machine)",
     "bench_soak": "22 quickstart runs in a row (20 plain, 1 overlapped, 1 PPO): about an hour on 2 idle cores",
+    "bench_curriculum": "4 toy runs of 20 iterations (uniform and data.curriculum sampling, 2 seeds each) after a "
+    "probe of the warm model: ~8 min on 2 cores",
     "bench_ingest_stream": "ingests a 1 GB .jsonl.gz (~30M prompts) and a 2M-row Parquet group at its default sizes: "
     "hours on 2 cores (`python bench/bench_ingest_stream.py --help` for smaller sizes)",
 }
