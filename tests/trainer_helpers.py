@@ -119,3 +119,24 @@ def load_weights(policy_dir: Path) -> dict[str, torch.Tensor]:
 
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def advantages_manifest(files: list[str]):
+    """The manifest an advantage stage commits for these parts."""
+    from batchrl.storage.manifest import Manifest, PartInfo
+    from batchrl.trainer.integrity import file_sha256
+
+    parts = [
+        PartInfo(Path(f).name, pq.read_metadata(f).num_rows, file_sha256(Path(f)), Path(f).stat().st_size)
+        for f in files
+    ]
+    return Manifest(
+        stage="advantage",
+        table="advantages",
+        iteration=0,
+        fingerprint="f",
+        parts=parts,
+        schema="advantages",
+        started_at=0.0,
+        finished_at=1.0,
+    )

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
-from trainer_helpers import synthetic_rows, write_advantages
+from trainer_helpers import advantages_manifest, synthetic_rows, write_advantages
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 
@@ -39,26 +38,6 @@ def write_adapter(base: Path, out: Path) -> dict:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
     model.save_pretrained(str(out))
     return load_file(str(out / "adapter_model.safetensors"))
-
-
-def advantages_manifest(files: list[str]):
-    from batchrl.storage.manifest import Manifest, PartInfo
-    from batchrl.trainer.integrity import file_sha256
-
-    parts = [
-        PartInfo(Path(f).name, pq.read_metadata(f).num_rows, file_sha256(Path(f)), Path(f).stat().st_size)
-        for f in files
-    ]
-    return Manifest(
-        stage="advantage",
-        table="advantages",
-        iteration=0,
-        fingerprint="f",
-        parts=parts,
-        schema="advantages",
-        started_at=0.0,
-        finished_at=1.0,
-    )
 
 
 def test_the_first_update_continues_an_init_adapter_downloaded_from_s3(tmp_path, tiny_base, s3_bucket, monkeypatch):

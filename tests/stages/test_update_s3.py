@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from trainer_helpers import load_weights, synthetic_rows, write_advantages
+from trainer_helpers import advantages_manifest, load_weights, synthetic_rows, write_advantages
 
 TIMEOUT_S = 180
 
@@ -21,27 +21,6 @@ def tiny_policy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("update_s3") / "policy_in"
     build_toy_model(out, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, seed=0)
     return out
-
-
-def advantages_manifest(files: list[str]):
-    """The manifest an advantage stage commits for these parts."""
-    from batchrl.storage.manifest import Manifest, PartInfo
-    from batchrl.trainer.integrity import file_sha256
-
-    parts = [
-        PartInfo(Path(f).name, pq.read_metadata(f).num_rows, file_sha256(Path(f)), Path(f).stat().st_size)
-        for f in files
-    ]
-    return Manifest(
-        stage="advantage",
-        table="advantages",
-        iteration=0,
-        fingerprint="f",
-        parts=parts,
-        schema="advantages",
-        started_at=0.0,
-        finished_at=1.0,
-    )
 
 
 def run_update_stage(root: Path, *, advantages_dir: str, manifest, policy: Path, monkeypatch) -> tuple[dict, list]:
