@@ -52,7 +52,7 @@ SHAPING = (
 )
 # (stage, the section its fingerprint dumps with fingerprint_dump, the fields it leaves out besides the marked ones)
 DUMPS = [
-    ("ingest", "data", {"prompt_stats", "pass_threshold"}),  # prompt_stats' fields: they change no prompt
+    ("ingest", "data", {"prompt_stats", "pass_threshold", "curriculum"}),  # how batches are drawn: no prompt
     ("generate", "generate", set()),
     ("advantage", "advantage", set()),
     ("evaluate", "evaluate", set()),
