@@ -1,15 +1,19 @@
 """data.curriculum in a real run: every iteration rolls out exactly the batch the pure function gives from the prompts
 table and the previous iteration's committed prompt_stats, generate logs how many it skipped (a pass over a source
-solved in full fills the batch with skipped prompts), and `batchrl plan` lists the batches of a finished run."""
+solved in full fills the batch with skipped prompts), `batchrl plan` lists the batches of a finished run, and a
+driver killed in the middle of an iteration resumes to the batches, statistics and weights of the uninterrupted run."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from harness import cli_ok, read_manifest, read_metrics, read_rows, write_pipeline
+from harness import cli, cli_ok, read_manifest, read_metrics, read_rows, read_table, start_cli, write_pipeline
+from test_faults import kill_group, kill_when
 
 from batchrl.config import load_pipeline
 from batchrl.stages.generate_batches import prompt_batch
@@ -68,3 +72,35 @@ def test_plan_lists_the_batches_of_the_finished_run(run):
     plan = cli_ok("plan", run.parent.parent / "pipeline.yaml").stdout
     listed = re.findall(r"^    iter (\d) \(epoch \d+, batch \d+ of \d+\): (.*)$", plan, re.M)
     assert [int(i) for i, _ in listed] == list(range(ITERATIONS)), plan
+
+
+def test_a_driver_killed_in_the_middle_of_an_iteration_resumes_to_the_same_batches(run, tmp_path):
+    """Killed (SIGKILL) while iteration 2 generates: the batch it redoes is the pure function of iteration 1's
+    committed prompt_stats, so every table and the weights equal the uninterrupted run's (the module's)."""
+    pipeline = run.parent.parent / "pipeline.yaml"
+    killed = run.parent / "killed"
+    shutil.rmtree(killed, ignore_errors=True)
+    rollouts = killed / "iter_0002" / "rollouts"
+
+    def generating():
+        started = (rollouts / "_STARTED.json").exists() and not (rollouts / "_MANIFEST.json").exists()
+        return rollouts if started else None
+
+    process = start_cli("run", pipeline, "--run-id", "killed", log=tmp_path / "killed.log")
+    try:
+        assert kill_when(process, generating, timeout=600) is not None, "the run finished before it could be killed"
+        resumed = cli("run", pipeline, "--run-id", "killed")
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+    finally:
+        kill_group(process.pid)
+    for iteration in range(ITERATIONS):
+        for table in ("rollouts", "prompt_stats"):
+            rel = f"iter_{iteration:04d}/{table}"
+            expected = read_table(run / rel, sort_by=["prompt_id"]).to_pylist()
+            assert read_table(killed / rel, sort_by=["prompt_id"]).to_pylist() == expected, f"{rel}: rows differ"
+        weights = f"iter_{iteration:04d}/policy/model.safetensors"
+        assert digest(killed / weights) == digest(run / weights), f"{weights} differs"
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
